@@ -1,0 +1,28 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.lockstep-installed
+
+.PHONY: serve test lint soak bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first and pinned, so the install below never pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/lockstep serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15 $(ARGS)
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -m soak $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lockstep tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
