@@ -1,0 +1,111 @@
+"""Server arguments: one frozen dataclass that feeds argparse defaults and help.
+
+Names follow SGLang's (`--model-path`, `--tp-size`, ...) so SGLang users feel at home.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model
+    model_path: Optional[str] = field(
+        default=None, metadata={"help": "GGUF file or HF directory; default: Gemma 3 270M (bundled)."}
+    )
+    tokenizer_path: Optional[str] = field(default=None, metadata={"help": "Defaults to the model's own."})
+    served_model_name: Optional[str] = field(default=None, metadata={"help": "Name in /v1/models."})
+    chat_template: Optional[str] = field(
+        default=None, metadata={"help": "Built-in name (gemma, llama3, chatml) or a Jinja file."}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "auto: bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32.",
+                  "choices": ["auto", "float32", "bfloat16", "float16"]},
+    )
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda.", "choices": ["cpu", "cuda"]})
+    context_length: Optional[int] = field(default=None, metadata={"help": "Override the model's."})
+    # Server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = field(default=None, metadata={"help": "Bearer key required on every route but /health."})
+    log_level: str = field(default="info", metadata={"choices": ["debug", "info", "warning", "error"]})
+    incremental_streaming_output: bool = field(
+        default=False, metadata={"help": "Stream only the new text in each /generate event."}
+    )
+    # Memory
+    max_total_tokens: Optional[int] = field(default=None, metadata={"help": "KV pool size in tokens."})
+    mem_fraction_static: float = field(
+        default=0.2, metadata={"help": "Share of free memory for the KV pool when --max-total-tokens is unset."}
+    )
+    max_running_requests: int = 64
+    max_queued_requests: Optional[int] = None
+    # Scheduling
+    schedule_policy: str = field(default="fcfs", metadata={"choices": list(SCHEDULE_POLICIES)})
+    chunked_prefill_size: int = field(default=512, metadata={"help": "Max prefill tokens per step; -1 disables chunking."})
+    enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run prefill chunks and decodes in one batch."})
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    new_token_ratio: float = field(default=0.7, metadata={"help": "Initial estimate of max_new_tokens actually used."})
+    random_seed: int = 0
+    enable_lockstep_check: int = field(
+        default=0, metadata={"help": "Every N steps the ranks compare schedule fingerprints (0 = off)."}
+    )
+    debug_fingerprints: bool = field(default=False, metadata={"help": "Record per-step schedule fingerprints."})
+    watchdog_timeout: float = 300.0
+    # Parallelism
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    load_balance_method: str = field(default="round_robin", metadata={"choices": list(LOAD_BALANCE_METHODS)})
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = field(default=None, metadata={"help": "HOST:PORT of node 0 for torch.distributed."})
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "max_running_requests"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be >= 1")
+        if self.node_rank >= self.nnodes or self.node_rank < 0:
+            problems.append("--node-rank must be in [0, nnodes)")
+        if (self.tp_size * self.pp_size) % self.nnodes:
+            problems.append("--nnodes must divide tp_size * pp_size")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            problems.append("--dist-init-addr is required with --nnodes > 1")
+        if not 0 < self.mem_fraction_static < 1:
+            problems.append("--mem-fraction-static must be in (0, 1)")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def replace(self, **changes: Any) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+            parser.add_argument(
+                flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                help=f"{help_text} (default: {f.default})".strip(),
+            )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
