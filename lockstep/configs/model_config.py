@@ -1,0 +1,137 @@
+"""The model's shape, read once from an HF config.json dict (old and transformers-5 formats)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+ARCH_BY_MODEL_TYPE = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    rope_global: RopeConfig
+    # Per-layer sliding window (None = full attention); Gemma 3 interleaves both.
+    layer_windows: tuple[Optional[int], ...]
+    rope_local: Optional[RopeConfig] = None
+    query_pre_attn_scalar: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.arch == "gemma3"
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg
+        model_type = cfg.get("model_type", "")
+        if model_type not in ARCH_BY_MODEL_TYPE:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {sorted(ARCH_BY_MODEL_TYPE)}"
+            )
+        arch = ARCH_BY_MODEL_TYPE[model_type]
+        n_heads = cfg["num_attention_heads"]
+        n_layers = cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        rope_global, rope_local = _rope_configs(cfg, arch)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position=cfg.get("max_position_embeddings", 8192),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
+            # Qwen2 always has q/k/v biases; its config does not say so.
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "gemma3"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            rope_global=rope_global,
+            rope_local=rope_local,
+            layer_windows=_layer_windows(cfg, arch, n_layers),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:
+    return RopeConfig(
+        theta=float(params.get("rope_theta", default_theta)),
+        rope_type=params.get("rope_type", params.get("type", "default")) or "default",
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _rope_configs(cfg: dict[str, Any], arch: str) -> tuple[RopeConfig, Optional[RopeConfig]]:
+    params = cfg.get("rope_parameters")
+    if arch == "gemma3":
+        if params and "full_attention" in params:
+            return _rope(params["full_attention"], 1e6), _rope(params["sliding_attention"], 1e4)
+        scaling = dict(cfg.get("rope_scaling") or {})
+        scaling.setdefault("rope_theta", cfg.get("rope_theta", 1e6))
+        return _rope(scaling, 1e6), RopeConfig(theta=float(cfg.get("rope_local_base_freq", 1e4)))
+    if params:
+        return _rope(params, 1e4), None
+    scaling = dict(cfg.get("rope_scaling") or {})
+    scaling.setdefault("rope_theta", cfg.get("rope_theta", 1e4))
+    return _rope(scaling, 1e4), None
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[Optional[int], ...]:
+    window = cfg.get("sliding_window")
+    if arch == "gemma3":
+        types = cfg.get("layer_types")
+        if not types:
+            pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+            types = [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(n_layers)
+            ]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if cfg.get("use_sliding_window") and window:
+        types = cfg.get("layer_types") or ["sliding_attention"] * n_layers
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (None,) * n_layers

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lockstep.layers.linear import _copy, _param
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. Gemma scales by (1 + w) where Llama/Qwen scale by w."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = _param((dim,), dtype, lambda p, w: _copy(p, w, "norm weight"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        # Llama casts back before scaling; matching that keeps bf16 outputs equal to HF's.
+        return self.weight * xf.to(x.dtype)

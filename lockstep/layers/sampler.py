@@ -1,0 +1,115 @@
+"""Batched sampling over the full vocabulary, each request with its own parameters.
+
+Randomness comes from a counter-based hash of (request seed, step, token id), not from a
+global RNG: every TP rank draws the same token without communicating, and the same seed
+repeats the same tokens whatever else shares the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [B] float; 0 = greedy
+    top_ps: torch.Tensor  # [B]
+    top_ks: torch.Tensor  # [B] int; vocab size = off
+    min_ps: torch.Tensor  # [B]
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64: tokens generated so far (the hash counter)
+    # Penalties need per-request token counts; built only when some request uses them.
+    frequency_penalties: Optional[torch.Tensor] = None  # [B]
+    presence_penalties: Optional[torch.Tensor] = None
+    repetition_penalties: Optional[torch.Tensor] = None
+    output_counts: Optional[torch.Tensor] = None  # [B, V] counts of generated tokens
+    seen_mask: Optional[torch.Tensor] = None  # [B, V] prompt or generated
+    all_greedy: bool = False
+    need_filter: bool = False
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [B]
+    logprobs: Optional[torch.Tensor] = None  # [B] logprob of the chosen token (raw logits)
+    top_logprobs: Optional[torch.Tensor] = None  # [B, K]
+    top_ids: Optional[torch.Tensor] = None  # [B, K]
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, V], a pure function of (seed, step, token id)."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
+    x = ((seeds[:, None] & _MASK32) * 0x27D4EB2F + steps[:, None] * 0x165667B1 + ids) & _MASK32
+    for mult in (0x7FEB352D, 0x846CA68B & 0x7FFFFFFF, 0x5BD1E995):
+        x = ((x ^ (x >> 16)) * mult) & _MASK32
+    x = x ^ (x >> 15)
+    return (x.double() + 0.5) / 4294967296.0
+
+
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    if info.output_counts is not None:
+        counts = info.output_counts.to(logits.dtype)
+        logits = logits - info.frequency_penalties[:, None] * counts
+        logits = logits - info.presence_penalties[:, None] * (counts > 0).to(logits.dtype)
+    if info.seen_mask is not None:
+        rep = info.repetition_penalties[:, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(info.seen_mask, penalized, logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo, top_logprobs_num: int = 0,
+           want_logprobs: bool = False) -> SampleOutput:
+    """logits: [B, V] float32 raw model logits."""
+    raw = logits
+    logits = apply_penalties(logits, info)
+    if info.all_greedy:
+        next_ids = logits.argmax(-1)
+    else:
+        next_ids = _sample_random(logits, info)
+    out = SampleOutput(next_ids)
+    if want_logprobs or top_logprobs_num:
+        logp = torch.log_softmax(raw, dim=-1)
+        out.logprobs = logp.gather(1, next_ids[:, None]).squeeze(1)
+        if top_logprobs_num:
+            out.top_logprobs, out.top_ids = logp.topk(top_logprobs_num, dim=-1)
+    return out
+
+
+def _sample_random(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    greedy = info.temperatures <= 0
+    temps = torch.where(greedy, 1.0, info.temperatures)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    if info.need_filter:
+        probs = filter_probs(probs, info.top_ks, info.top_ps, info.min_ps)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (the Gumbel-max trick).
+    noise = -torch.log(hash_uniform(info.seeds, info.steps, probs.shape[-1])).to(probs.dtype)
+    sampled = (probs / noise).argmax(-1)
+    return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                 min_ps: torch.Tensor) -> torch.Tensor:
+    """Zero out tokens outside top-k, outside the top-p nucleus, or below min_p * max."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    cum = sorted_p.cumsum(-1)
+    drop = ranks >= top_ks[:, None]
+    drop |= (cum - sorted_p) > top_ps[:, None]  # keep the token that crosses top_p
+    drop |= sorted_p < (min_ps[:, None] * sorted_p[:, :1])
+    drop[:, 0] = False
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def counts_matrix(token_lists: Sequence[Sequence[int]], vocab: int, device: str) -> torch.Tensor:
+    counts = torch.zeros((len(token_lists), vocab), dtype=torch.int32, device=device)
+    for row, toks in enumerate(token_lists):
+        if toks:
+            t = torch.tensor(toks, dtype=torch.int64, device=device)
+            counts[row].index_add_(0, t, torch.ones_like(t, dtype=torch.int32))
+    return counts

@@ -1,0 +1,94 @@
+"""Owns the model, its weights and the KV pools on one rank; runs one forward pass."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+import torch
+
+from lockstep.configs.model_config import ModelConfig
+from lockstep.distributed.parallel_state import SINGLE, ParallelGroup
+from lockstep.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from lockstep.model_executor.forward_batch import ForwardBatch
+from lockstep.model_loader.weights import iter_weights
+from lockstep.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" or cpu_has_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.2
+    max_running_requests: int = 64
+    context_length: Optional[int] = None
+    # Ranks that share this machine's memory (they split the KV budget).
+    local_ranks: int = 1
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, weight_files: tuple, cfg: RunnerConfig,
+                 tp: ParallelGroup = SINGLE) -> None:
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.tp = tp
+        self.device = cfg.device
+        self.dtype = cfg.dtype
+        t0 = time.perf_counter()
+        with torch.device(cfg.device):
+            self.model = build_model(model_cfg, tp, cfg.dtype)
+        self.model.load_weights(iter_weights(weight_files))
+        self.model.eval()
+        logger.info("weights loaded in %.1f s", time.perf_counter() - t0)
+        self.context_len = min(cfg.context_length or model_cfg.max_position, model_cfg.max_position)
+        attn = self.model.layers[0].self_attn
+        self.n_kv_local = attn.n_kv
+        self.max_total_tokens = self._kv_budget()
+        self.req_to_token_pool = ReqToTokenPool(
+            cfg.max_running_requests + 1, min(self.context_len, self.max_total_tokens) + 1, cfg.device
+        )
+        self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, model_cfg.num_layers,
+                                              self.n_kv_local, model_cfg.head_dim, cfg.dtype, cfg.device)
+        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, cfg.device)
+        self.windows = set(model_cfg.layer_windows)
+
+    def _kv_budget(self) -> int:
+        if self.cfg.max_total_tokens:
+            return self.cfg.max_total_tokens
+        per_token = TokenToKVPool.bytes_per_token(self.model_cfg.num_layers, self.n_kv_local,
+                                                  self.model_cfg.head_dim, self.dtype)
+        if self.device == "cuda":
+            free = torch.cuda.mem_get_info()[0]
+        else:
+            free = psutil.virtual_memory().available // self.cfg.local_ranks
+        tokens = int(free * self.cfg.mem_fraction_static) // per_token
+        # More KV than every running request could fill at full context is wasted memory.
+        return max(256, min(tokens, self.context_len * self.cfg.max_running_requests))
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [len(fb.logits_indices), vocab] in float32."""
+        fb.build_attention(self.req_to_token_pool.req_to_token, self.windows)
+        hidden = self.model(fb, self.token_to_kv_pool)
+        return self.model.compute_logits(hidden)

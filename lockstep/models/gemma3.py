@@ -1,0 +1,43 @@
+"""Gemma 3 (text): interleaved sliding/global attention with their own RoPE bases, q/k norms,
+(1 + w) RMSNorms before and after both attention and MLP, scaled embeddings, GeGLU, tied head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lockstep.configs.model_config import ModelConfig
+from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.layers.norm import RMSNorm
+from lockstep.mem_cache.memory_pool import TokenToKVPool
+from lockstep.model_executor.forward_batch import ForwardBatch
+from lockstep.models.llama import MLP, Attention, LlamaForCausalLM
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, tp, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=True)  # noqa: E731
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), fb, pool))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    layer_cls = Gemma3DecoderLayer
+    gemma_norms = True
+
+    def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__(cfg, tp, dtype)
+        # HF rounds the scale to the model dtype before multiplying; so do we.
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale

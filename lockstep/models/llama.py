@@ -1,0 +1,143 @@
+"""Llama 3.x, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm): one decoder, config-driven."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from lockstep.configs.model_config import ModelConfig, RopeConfig
+from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.layers.activation import act_and_mul
+from lockstep.layers.attention import PagedAttention
+from lockstep.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from lockstep.layers.norm import RMSNorm
+from lockstep.layers.rotary import RotaryEmbedding, apply_rotary
+from lockstep.mem_cache.memory_pool import TokenToKVPool
+from lockstep.model_executor.forward_batch import ForwardBatch
+
+# checkpoint name fragment -> (our parameter fragment, shard id for fused parameters)
+STACKED_PARAMS = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        window = cfg.layer_windows[layer_id]
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, tp, dtype)
+        self.n_heads, self.n_kv = self.qkv_proj.n_heads_local, self.qkv_proj.n_kv_local
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, gemma=cfg.is_gemma)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, gemma=cfg.is_gemma)
+        rope: RopeConfig = cfg.rope_global
+        if window is not None and cfg.rope_local is not None:
+            rope = cfg.rope_local
+        self.rotary = RotaryEmbedding(d, rope)
+        scalar = cfg.query_pre_attn_scalar or d
+        self.attn = PagedAttention(layer_id, self.n_heads, self.n_kv, d, scalar**-0.5, window,
+                                   cfg.attn_logit_softcapping)
+        self.qk_norm = cfg.qk_norm
+        self.head_dim = d
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t, d = x.shape[0], self.head_dim
+        q, k, v = q.view(t, self.n_heads, d), k.view(t, self.n_kv, d), v.view(t, self.n_kv, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, fb, pool))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp, dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, dtype)
+        self.act = cfg.hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, tp, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), fb, pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    gemma_norms = False
+
+    def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i, tp, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.gemma_norms)
+        self.lm_head = (
+            self.embed_tokens if cfg.tie_word_embeddings
+            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
+        """Returns final-normed hidden states at fb.logits_indices only."""
+        h = self.embed(fb.input_ids)
+        for layer in self.layers:
+            h = layer(h, fb, pool)
+        return self.norm(h[fb.logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = ParallelLMHead.logits(self.lm_head, hidden).float()  # type: ignore[arg-type]
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            # Multimodal Gemma 3 checkpoints nest the text model under language_model.
+            name = name.removeprefix("language_model.").removeprefix("model.")
+            if "rotary_emb" in name or (name.startswith("lm_head.") and self.cfg.tie_word_embeddings):
+                continue
+            shard: Optional[object] = None
+            for ckpt, (ours, shard_id) in STACKED_PARAMS.items():
+                if ckpt in name:
+                    name, shard = name.replace(ckpt, ours), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            loader = param.weight_loader  # type: ignore[attr-defined]
+            with torch.no_grad():
+                loader(param, tensor.to(param.dtype)) if shard is None else loader(
+                    param, tensor.to(param.dtype), shard)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise KeyError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+        return loaded

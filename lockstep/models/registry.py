@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lockstep.configs.model_config import ModelConfig
+from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.models.gemma3 import Gemma3ForCausalLM
+from lockstep.models.llama import LlamaForCausalLM
+
+MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
+
+
+def build_model(cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype) -> nn.Module:
+    return MODELS[cfg.arch](cfg, tp, dtype)
