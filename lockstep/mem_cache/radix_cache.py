@@ -1,0 +1,379 @@
+"""Prefix cache: a radix tree from token sequences to the KV slots that hold them.
+
+Requests that share a prompt prefix reuse its KV slots instead of recomputing
+them. The tree owns those slots; evicting a node hands them back to the
+allocator.
+
+Determinism: peer schedulers replay the same calls and must evict the same
+nodes, so recency is a logical clock bumped once per ``match_prefix`` /
+``insert`` call, and ties fall back to a node creation counter. Nothing here
+depends on wall time, ``id()`` or set ordering.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+__all__ = ["ChunkCache", "KVAllocator", "PrefixCache", "RadixCache", "TreeNode"]
+
+
+class KVAllocator(Protocol):
+    """What the cache needs from ``memory_pool.TokenToKVPoolAllocator``."""
+
+    def alloc(self, n: int) -> torch.Tensor | None: ...
+
+    def free(self, indices: torch.Tensor) -> None: ...
+
+    def available_size(self) -> int: ...
+
+
+class TreeNode:
+    """One edge of the radix tree: a run of tokens and the slots holding their KV.
+
+    A node object always keeps the *tail* of its run when split, so a handle a
+    request holds (its ``last_node``) stays valid and keeps covering the same
+    tokens up to the root.
+    """
+
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "node_id")
+
+    def __init__(
+        self,
+        node_id: int,
+        key: tuple[int, ...] = (),
+        value: torch.Tensor | None = None,
+        parent: TreeNode | None = None,
+        lock_ref: int = 0,
+        last_access: int = 0,
+    ) -> None:
+        # Keyed by the first token of the child's run: in a radix tree no two
+        # children start with the same token.
+        self.children: dict[int, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value if value is not None else torch.empty(0, dtype=torch.int64)
+        self.lock_ref = lock_ref
+        self.last_access = last_access
+        self.node_id = node_id
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.node_id}, key={list(self.key)}, lock_ref={self.lock_ref}, "
+            f"last_access={self.last_access})"
+        )
+
+
+class PrefixCache(Protocol):
+    """The interface the scheduler programs against (radix or chunk cache)."""
+
+    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]: ...
+
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int: ...
+
+    def inc_lock_ref(self, node: TreeNode) -> None: ...
+
+    def dec_lock_ref(self, node: TreeNode) -> None: ...
+
+    def evict(self, num_tokens: int) -> int: ...
+
+    def evictable_size(self) -> int: ...
+
+    def protected_size(self) -> int: ...
+
+    def total_size(self) -> int: ...
+
+    def all_slot_indices(self) -> torch.Tensor: ...
+
+    def reset(self) -> None: ...
+
+    def pretty_print(self) -> str: ...
+
+
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
+    """Length of the common prefix of ``a`` and ``b[start:]``, without slicing ``b``."""
+    n = min(len(a), len(b) - start)
+    i = 0
+    while i < n and a[i] == b[start + i]:
+        i += 1
+    return i
+
+
+def _as_key(key: Sequence[int]) -> tuple[int, ...]:
+    # int() so a tensor or numpy key hashes by value, not by object identity.
+    return tuple(int(t) for t in key)
+
+
+def _resolve_device(allocator: KVAllocator, device: torch.device | str | None) -> torch.device:
+    # Empty results must live where real slot indices live, or the scheduler's
+    # torch.cat(prefix, new_slots) fails on a device mismatch.
+    if device is None:
+        device = getattr(allocator, "device", "cpu")
+    return torch.device(device)
+
+
+class RadixCache:
+    def __init__(self, allocator: KVAllocator, *, device: torch.device | str | None = None) -> None:
+        self.allocator = allocator
+        self.device = _resolve_device(allocator, device)
+        self._next_node_id = 0
+        self.root = self._new_node((), self._empty(), None)
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        # The root object survives a reset: a request that matched nothing
+        # holds the root as its last_node and will still dec_lock_ref it.
+        self.root.children.clear()
+        self._next_node_id = 1
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+
+    def _new_node(
+        self,
+        key: tuple[int, ...],
+        value: torch.Tensor,
+        parent: TreeNode | None,
+        lock_ref: int = 0,
+        last_access: int = 0,
+    ) -> TreeNode:
+        node = TreeNode(self._next_node_id, key, value, parent, lock_ref, last_access)
+        self._next_node_id += 1
+        return node
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # ------------------------------------------------------------------ lookup
+
+    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
+        tokens = _as_key(key)
+        now = self._tick()
+        node = self.root
+        values: list[torch.Tensor] = []
+        i = 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, tokens, i)
+            if n < len(child.key):
+                # Split so the returned node ends exactly at the match: the
+                # caller locks it and must not pin tokens it does not share.
+                child = self._split(child, n)
+            child.last_access = now
+            values.append(child.value)
+            node = child
+            i += n
+        return (torch.cat(values) if values else self._empty()), node
+
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+        tokens = _as_key(key)
+        if value.dim() != 1 or value.numel() != len(tokens):
+            raise ValueError(f"value has shape {tuple(value.shape)}, key has {len(tokens)} tokens")
+        if value.dtype != torch.int64:
+            raise ValueError(f"value must be int64 slot indices, got {value.dtype}")
+        now = self._tick()
+        node = self.root
+        i = 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                # clone() so the tree never aliases (and keeps alive) the
+                # caller's larger request tensor.
+                leaf = self._new_node(
+                    key=tokens[i:], value=value[i:].clone(), parent=node, last_access=now
+                )
+                node.children[tokens[i]] = leaf
+                self._evictable += len(leaf.key)
+                break
+            n = _common_prefix_len(child.key, tokens, i)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            node = child
+            i += n
+        # The already-cached part keeps the tree's slots; the caller's copies
+        # of those tokens are duplicates it must free.
+        return i
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Cut ``child`` after ``at`` tokens; return the new head node.
+
+        ``child`` keeps the tail so existing handles to it stay valid. The head
+        inherits ``lock_ref`` because every lock on ``child`` also covers all
+        its ancestors, which now include the head.
+        """
+        assert 0 < at < len(child.key)
+        parent = child.parent
+        assert parent is not None
+        head = self._new_node(
+            key=child.key[:at],
+            value=child.value[:at].clone(),
+            parent=parent,
+            lock_ref=child.lock_ref,
+            last_access=child.last_access,
+        )
+        parent.children[head.key[0]] = head
+        child.key = child.key[at:]
+        child.value = child.value[at:].clone()
+        child.parent = head
+        head.children[child.key[0]] = child
+        return head
+
+    # ----------------------------------------------------------------- locking
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                # Catches a double unlock, or a handle from before a reset().
+                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.key)
+                self._evictable += len(node.key)
+            assert node.parent is not None
+            node = node.parent
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict(self, num_tokens: int) -> int:
+        # (last_access, node_id) is unique per node, so the heap never compares
+        # nodes and the order is a pure function of the call history.
+        heap = [(n.last_access, n.node_id, n) for n in self._nodes() if self._evictable_leaf(n)]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            self.allocator.free(node.value)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[0]]
+            node.parent = None
+            evicted += len(node.key)
+            self._evictable -= len(node.key)
+            # Removing the last child turns the parent into a leaf that may now
+            # be the oldest thing left.
+            if self._evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        return evicted
+
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        return node is not self.root and node.lock_ref == 0 and node.is_leaf()
+
+    # ------------------------------------------------------------- accounting
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, depth first in child insertion order."""
+        stack = list(reversed(self.root.children.values()))
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children.values()))
+
+    def all_slot_indices(self) -> torch.Tensor:
+        values = [n.value for n in self._nodes()]
+        return torch.cat(values) if values else self._empty()
+
+    def reset(self) -> None:
+        locked = [n for n in self._nodes() if n.lock_ref > 0]
+        if locked:
+            raise RuntimeError(f"cannot reset the radix cache: {len(locked)} node(s) locked")
+        slots = self.all_slot_indices()
+        if slots.numel():
+            self.allocator.free(slots)
+        self._reset_state()
+
+    def pretty_print(self) -> str:
+        lines = [
+            f"RadixCache(total={self.total_size()}, evictable={self.evictable_size()}, "
+            f"protected={self.protected_size()}, clock={self._clock})"
+        ]
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in node.children.values():
+                lines.append(
+                    f"{'  ' * depth}{list(child.key)} -> {child.value.tolist()} "
+                    f"lock={child.lock_ref} t={child.last_access} id={child.node_id}"
+                )
+                walk(child, depth + 1)
+
+        walk(self.root, 1)
+        return "\n".join(lines)
+
+
+class ChunkCache:
+    """Stand-in for ``--disable-radix-cache``: caches nothing, shares nothing.
+
+    Since ``insert`` returns 0 the caller keeps ownership of, and frees, every
+    slot of a finished request.
+    """
+
+    def __init__(self, allocator: KVAllocator, *, device: torch.device | str | None = None) -> None:
+        self.allocator = allocator
+        self.device = _resolve_device(allocator, device)
+        self.root = TreeNode(0)
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
+        return self._empty(), self.root
+
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+        return 0
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        pass
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        pass
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0
+
+    def all_slot_indices(self) -> torch.Tensor:
+        return self._empty()
+
+    def reset(self) -> None:
+        pass
+
+    def pretty_print(self) -> str:
+        return "ChunkCache(empty)"
