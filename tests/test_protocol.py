@@ -1,0 +1,573 @@
+from __future__ import annotations
+
+import json
+
+import pydantic
+import pytest
+
+from lockstep.entrypoints.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorResponse,
+    GenerateReqInput,
+    ModelCard,
+    ModelList,
+    SamplingParamsModel,
+    TopLogprob,
+    UsageInfo,
+    error_body,
+    format_validation_error,
+)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"prompt": "hi"}
+
+BAD_INPUTS = [
+    # /generate: prompts
+    (GenerateReqInput, {}, "exactly one of text or input_ids"),
+    (GenerateReqInput, {"text": "a", "input_ids": [1]}, "exactly one of text or input_ids"),
+    (GenerateReqInput, {"text": 5}, "text: must be a string or a non-empty list of strings, got 5"),
+    (GenerateReqInput, {"text": []}, "text: must not be empty"),
+    (GenerateReqInput, {"text": ["a", 3]}, "text[1]: must be a string, got 3"),
+    (GenerateReqInput, {"input_ids": []}, "input_ids: must not be empty"),
+    (GenerateReqInput, {"input_ids": [1, -2]}, "input_ids[1]: must be >= 0, got -2"),
+    (GenerateReqInput, {"input_ids": [[1], []]}, "input_ids[1]: must not be empty"),
+    (GenerateReqInput, {"input_ids": "1 2 3"}, "input_ids: must be a list of token ids"),
+    (GenerateReqInput, {"input_ids": [1.5]}, "input_ids[0]: must be an integer, got 1.5"),
+    # /generate: sampling params
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"temperature": -1}},
+        "sampling_params.temperature: must be >= 0, got -1",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"temperature": float("nan")}},
+        "sampling_params.temperature: must be a finite number, got nan",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"top_p": 0}},
+        "sampling_params.top_p: must be > 0, got 0",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"top_p": 1.5}},
+        "sampling_params.top_p: must be <= 1, got 1.5",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"top_k": 0}},
+        "sampling_params.top_k: must be -1 (disabled) or >= 1, got 0",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"min_p": 2}},
+        "sampling_params.min_p: must be <= 1",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"frequency_penalty": 3}},
+        "sampling_params.frequency_penalty: must be <= 2, got 3",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"presence_penalty": -2.5}},
+        "sampling_params.presence_penalty: must be >= -2",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"repetition_penalty": 0}},
+        "sampling_params.repetition_penalty: must be > 0",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"max_new_tokens": -1}},
+        "sampling_params.max_new_tokens: must be >= 0, got -1",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}},
+        "sampling_params: min_new_tokens (5) must be <= max_new_tokens (4)",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"stop": [""]}},
+        "sampling_params.stop[0]: must not be empty",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"stop": ["x"] * 17}},
+        "sampling_params.stop: must have at most 16 items",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"stop": 3}},
+        "sampling_params.stop: must be a string or a list of strings",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"stop_token_ids": [-1]}},
+        "sampling_params.stop_token_ids[0]: must be >= 0",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"n": 0}},
+        "sampling_params.n: must be >= 1",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"n": 17}},
+        "sampling_params.n: must be <= 16",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"regex": "a+"}},
+        "sampling_params.regex: unknown field",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"max_tokens": 5}},
+        "sampling_params.max_tokens: unknown field",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"seed": 2**64}},
+        "sampling_params.seed: must be <=",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"ignore_eos": "maybe"}},
+        "sampling_params.ignore_eos: must be a boolean",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": 7},
+        "sampling_params: must be an object or a list",
+    ),
+    (
+        GenerateReqInput,
+        {"text": ["a", "b"], "sampling_params": [{}, {"temperature": -0.5}]},
+        "sampling_params[1].temperature: must be >= 0, got -0.5",
+    ),
+    # /generate: batch consistency and other fields
+    (
+        GenerateReqInput,
+        {"text": ["a", "b"], "sampling_params": [{}]},
+        "sampling_params: a list must have one entry per prompt; got 1 for 2 prompts",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": [{}]},
+        "sampling_params: a list must have one entry",
+    ),
+    (
+        GenerateReqInput,
+        {"text": ["a", "b"], "rid": ["x"]},
+        "rid: a list must have one entry per prompt",
+    ),
+    (
+        GenerateReqInput,
+        {"text": ["a", "b"], "rid": ["x", "x"]},
+        "rid: the rids of a batch must be distinct",
+    ),
+    (GenerateReqInput, {"text": "a", "rid": ""}, "rid: must not be empty"),
+    (
+        GenerateReqInput,
+        {"text": "a", "top_logprobs_num": 21, "return_logprob": True},
+        "top_logprobs_num: must be <= 20",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "top_logprobs_num": 2},
+        "top_logprobs_num: requires return_logprob",
+    ),
+    (GenerateReqInput, {"text": "a", "logprob_start_len": -2}, "logprob_start_len: must be >= -1"),
+    (GenerateReqInput, {"text": "a", "image_data": "http://x/y.png"}, "image_data: unknown field"),
+    (GenerateReqInput, [1, 2], "request body: must be an object"),
+    # /v1/completions
+    (CompletionRequest, {}, "prompt: is required"),
+    (CompletionRequest, {"prompt": []}, "prompt: must not be empty"),
+    (CompletionRequest, {"prompt": [[1, 2], [-1]]}, "prompt[1][0]: must be >= 0"),
+    (CompletionRequest, {"prompt": {"text": "a"}}, "prompt: must be a string, a list of strings"),
+    (CompletionRequest, {**COMPLETION, "max_tokens": -1}, "max_tokens: must be >= 0, got -1"),
+    (CompletionRequest, {**COMPLETION, "logprobs": 6}, "logprobs: must be <= 5, got 6"),
+    (CompletionRequest, {**COMPLETION, "suffix": "}"}, "suffix: is not supported"),
+    (CompletionRequest, {**COMPLETION, "best_of": 3}, "best_of (3): only best_of equal to n (1)"),
+    (
+        CompletionRequest,
+        {**COMPLETION, "logit_bias": {"50256": -100}},
+        "logit_bias: is not supported",
+    ),
+    (
+        CompletionRequest,
+        {**COMPLETION, "temperature": float("inf")},
+        "temperature: must be a finite number",
+    ),
+    (CompletionRequest, {**COMPLETION, "n": 100}, "n: must be <= 16, got 100"),
+    (
+        CompletionRequest,
+        {**COMPLETION, "stream_options": {"include_usage": True}},
+        "stream_options: only allowed when stream is true",
+    ),
+    (
+        CompletionRequest,
+        {**COMPLETION, "stream": True, "stream_options": {"usage": True}},
+        "stream_options.usage: unknown field",
+    ),
+    (
+        CompletionRequest,
+        {**COMPLETION, "min_tokens": 20},
+        "min_tokens (20) must be <= max_tokens (16)",
+    ),
+    (
+        CompletionRequest,
+        {**COMPLETION, "top_k": -5},
+        "top_k: must be -1 (disabled) or >= 1, got -5",
+    ),
+    (CompletionRequest, {**COMPLETION, "frobnicate": 1}, "frobnicate: unknown field"),
+    # /v1/chat/completions
+    (ChatCompletionRequest, {}, "messages: is required"),
+    (ChatCompletionRequest, {"messages": []}, "messages: must not be empty"),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "tool", "content": "x"}]},
+        "messages[0].role: must be 'system', 'user' or 'assistant', got 'tool'",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "user"}]},
+        "messages[0]: content is required for a user message",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": 5}]},
+        "messages[0].content: must be a string or a list of content parts, got 5",
+    ),
+    (
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}
+            ]
+        },
+        "messages[0].content: part 0 has type 'image_url'; only text parts are supported",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
+        "messages[0].tool_calls: unknown field",
+    ),
+    (
+        ChatCompletionRequest,
+        {**CHAT, "top_logprobs": 3},
+        "top_logprobs: requires logprobs to be true",
+    ),
+    (
+        ChatCompletionRequest,
+        {**CHAT, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs: must be <= 20",
+    ),
+    (
+        ChatCompletionRequest,
+        {**CHAT, "response_format": {"type": "json_object"}},
+        'response_format: type \'json_object\' is not supported; only {"type": "text"} is',
+    ),
+    (
+        ChatCompletionRequest,
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools: tool calling is not supported",
+    ),
+    (
+        ChatCompletionRequest,
+        {**CHAT, "tool_choice": "required"},
+        "tool_choice: tool calling is not supported",
+    ),
+    (
+        ChatCompletionRequest,
+        {**CHAT, "max_tokens": 5, "max_completion_tokens": 6},
+        "max_tokens and max_completion_tokens disagree",
+    ),
+    (
+        ChatCompletionRequest,
+        {**CHAT, "max_completion_tokens": 2, "min_tokens": 3},
+        "min_tokens (3) must be <= max_tokens (2)",
+    ),
+    (
+        ChatCompletionRequest,
+        {**CHAT, "presence_penalty": 2.5},
+        "presence_penalty: must be <= 2, got 2.5",
+    ),
+    (ChatCompletionRequest, {**CHAT, "stop": ["a", ""]}, "stop[1]: must not be empty"),
+    (ChatCompletionRequest, {**CHAT, "seed": "abc"}, "seed: must be an integer, got 'abc'"),
+]
+
+
+@pytest.mark.parametrize(("model", "payload", "expected"), BAD_INPUTS)
+def test_bad_input_is_rejected_with_a_message_naming_the_field(model, payload, expected):
+    with pytest.raises(pydantic.ValidationError) as info:
+        model.model_validate(payload)
+    message = format_validation_error(info.value)
+    assert expected in message, message
+    assert "Value error," not in message and "[type=" not in message
+
+
+def test_enough_bad_inputs():
+    assert len(BAD_INPUTS) >= 30
+
+
+def test_json_nan_is_rejected_too():
+    with pytest.raises(pydantic.ValidationError) as info:
+        GenerateReqInput.model_validate_json('{"text": "a", "sampling_params": {"top_p": NaN}}')
+    assert "sampling_params.top_p: must be a finite number" in format_validation_error(info.value)
+
+
+def test_several_errors_in_one_sentence():
+    with pytest.raises(pydantic.ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": "a", "n": 0, "top_p": 0, "echo": "x"})
+    message = format_validation_error(info.value)
+    assert (
+        message.count(";") == 2
+        and "n: must be >= 1" in message
+        and "echo: must be a boolean" in message
+    )
+
+
+def test_sampling_defaults():
+    sp = SamplingParamsModel()
+    assert sp.max_new_tokens == 128 and sp.min_new_tokens == 0
+    assert sp.temperature == 1.0 and sp.top_p == 1.0 and sp.top_k == -1 and sp.min_p == 0.0
+    assert sp.frequency_penalty == sp.presence_penalty == 0.0 and sp.repetition_penalty == 1.0
+    assert sp.stop == [] and sp.stop_token_ids == [] and sp.n == 1 and sp.seed is None
+    assert sp.skip_special_tokens and sp.spaces_between_special_tokens
+    assert not sp.ignore_eos and not sp.no_stop_trim
+
+
+def test_null_means_default_but_null_max_new_tokens_means_unbounded():
+    sp = SamplingParamsModel.model_validate(
+        {"temperature": None, "stop": None, "max_new_tokens": None}
+    )
+    assert sp.temperature == 1.0 and sp.stop == [] and sp.max_new_tokens is None
+    assert SamplingParamsModel.model_validate({"stop": "\n"}).stop == ["\n"]
+
+
+def test_generate_single_text_defaults():
+    req = GenerateReqInput.model_validate({"text": "Hello"})
+    assert not req.is_batch and req.batch_size == 1
+    assert req.stream is False and req.return_logprob is False
+    assert req.logprob_start_len == -1 and req.top_logprobs_num == 0
+    (single,) = req.normalize()
+    assert single.text == "Hello" and single.input_ids is None
+    assert single.sampling_params == SamplingParamsModel() and len(single.rid) == 32
+
+
+def test_generate_batch_fan_out_with_per_item_params_and_n():
+    req = GenerateReqInput.model_validate(
+        {
+            "input_ids": [[1, 2], [3]],
+            "rid": ["a", "b"],
+            "sampling_params": [{"n": 2, "seed": 7, "max_new_tokens": 4}, {"temperature": 0}],
+            "return_logprob": [True, False],
+            "top_logprobs_num": 3,
+        }
+    )
+    assert req.is_batch and req.batch_size == 2
+    out = req.normalize()
+    assert [r.rid for r in out] == ["a-0", "a-1", "b"]
+    assert [r.input_ids for r in out] == [[1, 2], [1, 2], [3]]
+    assert [r.index for r in out] == [0, 1, 2]
+    assert [(r.prompt_index, r.sample_index) for r in out] == [(0, 0), (0, 1), (1, 0)]
+    assert [r.sampling_params.n for r in out] == [1, 1, 1]
+    assert [r.sampling_params.seed for r in out] == [7, 8, None]
+    assert out[0].sampling_params.max_new_tokens == 4 and out[2].sampling_params.temperature == 0
+    assert [r.return_logprob for r in out] == [True, True, False]
+    assert all(r.top_logprobs_num == 3 for r in out)
+
+
+def test_generate_batch_shares_one_sampling_params_dict():
+    req = GenerateReqInput.model_validate(
+        {"text": ["x", "y", "z"], "sampling_params": {"n": 2, "temperature": 0.5}}
+    )
+    out = req.normalize()
+    assert len(out) == 6 and [r.text for r in out] == ["x", "x", "y", "y", "z", "z"]
+    assert len({r.rid for r in out}) == 6
+    assert all(r.sampling_params.temperature == 0.5 and r.sampling_params.n == 1 for r in out)
+
+
+def test_generate_single_rid_with_n_and_colliding_rids():
+    out = GenerateReqInput.model_validate(
+        {"text": "q", "rid": "r", "sampling_params": {"n": 3}}
+    ).normalize()
+    assert [r.rid for r in out] == ["r-0", "r-1", "r-2"]
+    clash = GenerateReqInput.model_validate(
+        {"text": ["a", "b"], "rid": ["r", "r-1"], "sampling_params": [{"n": 2}, {}]}
+    )
+    with pytest.raises(ValueError, match="collide"):
+        clash.normalize()
+
+
+def test_completion_defaults_and_sampling_params():
+    req = CompletionRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": [1, 2, 3],
+            "stop": "END",
+            "top_k": 20,
+            "seed": 1,
+            "temperature": None,
+        }
+    )
+    assert req.max_tokens == 16 and req.n == 1 and req.logprobs is None and req.echo is False
+    sp = req.to_sampling_params()
+    assert sp.max_new_tokens == 16 and sp.stop == ["END"] and sp.top_k == 20 and sp.seed == 1
+    assert sp.temperature == 1.0
+    # best_of equal to n, an empty suffix and an empty logit_bias are harmless.
+    CompletionRequest.model_validate(
+        {**COMPLETION, "n": 2, "best_of": 2, "suffix": "", "logit_bias": {}}
+    )
+    for prompt in ("a", ["a", "b"], [1], [[1], [2, 3]]):
+        assert CompletionRequest.model_validate({"prompt": prompt}).prompt == prompt
+
+
+def test_chat_defaults_and_sampling_params():
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "s"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                {"role": "assistant", "content": None},
+            ],
+            "max_completion_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "response_format": {"type": "text"},
+            "tool_choice": "none",
+            "tools": [],
+            "min_p": 0.1,
+            "repetition_penalty": 1.1,
+            "ignore_eos": True,
+            "stop_token_ids": [106],
+        }
+    )
+    assert req.messages_as_dicts() == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""},
+    ]
+    sp = req.to_sampling_params()
+    assert sp.max_new_tokens == 9 and sp.min_p == 0.1 and sp.repetition_penalty == 1.1
+    assert sp.ignore_eos and sp.stop_token_ids == [106] and sp.skip_special_tokens
+    assert req.stream_options.include_usage
+    plain = ChatCompletionRequest.model_validate(CHAT)
+    assert plain.to_sampling_params().max_new_tokens is None  # until stop or context end
+    assert plain.logprobs is False and plain.top_logprobs is None
+    assert (
+        ChatCompletionRequest.model_validate({**CHAT, "max_tokens": 3})
+        .to_sampling_params()
+        .max_new_tokens
+        == 3
+    )
+
+
+def test_response_shapes():
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    completion = CompletionResponse(
+        id="cmpl-1",
+        model="m",
+        choices=[
+            CompletionChoice(
+                index=0,
+                text=" hi",
+                finish_reason="length",
+                logprobs=CompletionLogprobs(
+                    tokens=[" hi"],
+                    token_logprobs=[-0.5],
+                    top_logprobs=[{" hi": -0.5}],
+                    text_offset=[0],
+                ),
+            )
+        ],
+        usage=usage,
+    ).model_dump()
+    assert completion["object"] == "text_completion" and isinstance(completion["created"], int)
+    assert set(completion["choices"][0]["logprobs"]) == {
+        "tokens",
+        "token_logprobs",
+        "top_logprobs",
+        "text_offset",
+    }
+    assert completion["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+    token = ChatTokenLogprob(
+        token="hi",
+        logprob=-0.1,
+        bytes=[104, 105],
+        top_logprobs=[TopLogprob(token="hi", logprob=-0.1, bytes=[104, 105])],
+    )
+    chat = ChatCompletionResponse(
+        id="chatcmpl-1",
+        model="m",
+        choices=[
+            ChatCompletionChoice(
+                index=0,
+                message=ChatResponseMessage(content="hi"),
+                logprobs=ChatChoiceLogprobs(content=[token]),
+                finish_reason="stop",
+            )
+        ],
+        usage=usage,
+    ).model_dump()
+    assert (
+        chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    )
+    entry = chat["choices"][0]["logprobs"]["content"][0]
+    assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert set(entry["top_logprobs"][0]) == {"token", "logprob", "bytes"}
+
+    chunk = ChatCompletionStreamResponse(
+        id="c",
+        model="m",
+        choices=[ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant"))],
+    ).model_dump(exclude_none=True)
+    assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {
+        "role": "assistant"
+    }
+    stream = CompletionStreamResponse(id="c", model="m", choices=[], usage=usage).model_dump()
+    assert stream["object"] == "text_completion" and stream["usage"]["total_tokens"] == 5
+
+    models = ModelList(data=[ModelCard(id="gemma", root="/path")]).model_dump()
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    assert models["data"][0]["owned_by"] == "lockstep"
+
+
+def test_error_body_has_openai_shape():
+    body = error_body("temperature: must be >= 0, got -1", 400, param="temperature")
+    assert body == {
+        "error": {
+            "message": "temperature: must be >= 0, got -1",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": 400,
+        }
+    }
+    assert error_body("boom", 500)["error"]["type"] == "server_error"
+    assert error_body("no key", 401)["error"]["type"] == "authentication_error"
+    assert ErrorResponse.model_validate(json.loads(json.dumps(body))).error.code == 400
