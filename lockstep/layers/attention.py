@@ -6,8 +6,6 @@ or requests."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +16,7 @@ from lockstep.model_executor.forward_batch import ForwardBatch
 
 class PagedAttention(nn.Module):
     def __init__(self, layer_id: int, n_heads: int, n_kv_heads: int, head_dim: int, scaling: float,
-                 window: Optional[int], softcap: Optional[float] = None) -> None:
+                 window: int | None, softcap: float | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim

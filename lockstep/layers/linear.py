@@ -3,7 +3,7 @@ checkpoint tensor and copies in only this rank's shard, so a rank never holds mo
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +107,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         tp.shard_range(in_features)
         self.weight = _param((out_features, in_features // tp.size), dtype, self.weight_loader)
-        self.bias: Optional[nn.Parameter] = (
+        self.bias: nn.Parameter | None = (
             _param((out_features,), dtype, self.bias_loader) if bias else None
         )
 

@@ -6,8 +6,8 @@ repeats the same tokens whatever else shares the batch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -23,11 +23,11 @@ class SamplingBatchInfo:
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64: tokens generated so far (the hash counter)
     # Penalties need per-request token counts; built only when some request uses them.
-    frequency_penalties: Optional[torch.Tensor] = None  # [B]
-    presence_penalties: Optional[torch.Tensor] = None
-    repetition_penalties: Optional[torch.Tensor] = None
-    output_counts: Optional[torch.Tensor] = None  # [B, V] counts of generated tokens
-    seen_mask: Optional[torch.Tensor] = None  # [B, V] prompt or generated
+    frequency_penalties: torch.Tensor | None = None  # [B]
+    presence_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None  # [B, V] counts of generated tokens
+    seen_mask: torch.Tensor | None = None  # [B, V] prompt or generated
     all_greedy: bool = False
     need_filter: bool = False
 
@@ -35,9 +35,9 @@ class SamplingBatchInfo:
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # [B]
-    logprobs: Optional[torch.Tensor] = None  # [B] logprob of the chosen token (raw logits)
-    top_logprobs: Optional[torch.Tensor] = None  # [B, K]
-    top_ids: Optional[torch.Tensor] = None  # [B, K]
+    logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token (raw logits)
+    top_logprobs: torch.Tensor | None = None  # [B, K]
+    top_ids: torch.Tensor | None = None  # [B, K]
 
 
 def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:

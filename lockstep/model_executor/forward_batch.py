@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
 
 import torch
 
@@ -23,7 +22,7 @@ class AttentionMetadata:
     kv_indices: torch.Tensor  # [B, L] KV slots per request, padded with the scratch slot 0
     q_scatter: torch.Tensor  # [T] flat token -> row in the padded [B * Q] query grid
     max_q: int
-    masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict)  # window -> [B,1,Q,L]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B,1,Q,L]
 
 
 @dataclass
@@ -36,7 +35,7 @@ class ForwardBatch:
     prefix_lens: torch.Tensor  # [B] tokens already in KV before this pass
     extend_lens: torch.Tensor  # [B] new tokens in this pass
     logits_indices: torch.Tensor  # [S] flat positions whose logits are computed
-    attn: Optional[AttentionMetadata] = None
+    attn: AttentionMetadata | None = None
 
     @property
     def batch_size(self) -> int:
@@ -46,7 +45,7 @@ class ForwardBatch:
     def seq_lens(self) -> torch.Tensor:
         return self.prefix_lens + self.extend_lens
 
-    def build_attention(self, req_to_token: torch.Tensor, windows: set[Optional[int]]) -> None:
+    def build_attention(self, req_to_token: torch.Tensor, windows: set[int | None]) -> None:
         b = self.batch_size
         ext, pre, seq = self.extend_lens, self.prefix_lens, self.seq_lens
         max_q, max_l = int(ext.max()), int(seq.max())

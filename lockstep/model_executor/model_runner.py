@@ -5,16 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import psutil
 import torch
+from lockstep.model_loader.weights import iter_weights
 
 from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import SINGLE, ParallelGroup
 from lockstep.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from lockstep.model_executor.forward_batch import ForwardBatch
-from lockstep.model_loader.weights import iter_weights
 from lockstep.models.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -39,10 +38,10 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 class RunnerConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
-    max_total_tokens: Optional[int] = None
+    max_total_tokens: int | None = None
     mem_fraction_static: float = 0.2
     max_running_requests: int = 64
-    context_length: Optional[int] = None
+    context_length: int | None = None
     # Ranks that share this machine's memory (they split the KV budget).
     local_ranks: int = 1
 
@@ -88,7 +87,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [len(fb.logits_indices), vocab] in float32."""
+        """Final hidden states at fb.logits_indices; the worker turns the rows it needs into logits."""
         fb.build_attention(self.req_to_token_pool.req_to_token, self.windows)
-        hidden = self.model(fb, self.token_to_kv_pool)
-        return self.model.compute_logits(hidden)
+        return self.model(fb, self.token_to_kv_pool)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("language_model.").removeprefix("model.")
             if "rotary_emb" in name or (name.startswith("lm_head.") and self.cfg.tie_word_embeddings):
                 continue
-            shard: Optional[object] = None
+            shard: object | None = None
             for ckpt, (ours, shard_id) in STACKED_PARAMS.items():
                 if ckpt in name:
                     name, shard = name.replace(ckpt, ours), shard_id

@@ -1,0 +1,184 @@
+"""A request's scheduling state, and a batch of them ready for the model worker.
+
+A request's tokens are `fill_ids` = prompt + generated. `cached_len` of them have KV in the
+request's row of the req->token table; a step extends that to `device_len`. The same two
+numbers describe prefill, chunked prefill, extend-from-prefix, decode and resume-after-retract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
+from lockstep.managers.io_struct import SamplingParams, TokenizedGenerateReq
+from lockstep.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+
+class ReqState(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"  # admitted; prompt (or a chunk of it) being computed
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    arrival: int = 0  # scheduler step at arrival: a logical clock, never wall time
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    req_pool_idx: int | None = None
+    cached_len: int = 0
+    device_len: int = 0
+    prefix_len: int = 0  # of cached_len, tokens owned by the prefix tree (locked via last_node)
+    last_node: Any = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to clients)
+    finish_reason: dict[str, Any] | None = None
+    retractions: int = 0
+    sent_len: int = 0  # output tokens already reported
+    # logprobs accumulated since the last report
+    out_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    out_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    in_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    in_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    @classmethod
+    def from_input(cls, r: TokenizedGenerateReq, arrival: int) -> Req:
+        return cls(r.rid, list(r.input_ids), r.sampling_params, r.return_logprob,
+                   r.logprob_start_len, r.top_logprobs_num, arrival)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    @property
+    def prompt_logprob_start(self) -> int | None:
+        """First prompt position whose next-token logprob the client asked for, if any."""
+        if not self.return_logprob or self.logprob_start_len < 0 or self.output_ids:
+            return None
+        return min(self.logprob_start_len, len(self.origin_input_ids) - 1)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class ModelWorkerBatch:
+    """Everything the worker needs for one forward + sample, and nothing the scheduler keeps."""
+
+    forward_batch: ForwardBatch
+    sampling: SamplingBatchInfo
+    sample_rows: torch.Tensor  # rows of the logits that are sampled, one per sampling request
+    # (row start, count) of prompt-logprob rows per request needing them, else None
+    prompt_rows: list[tuple[int, int] | None]
+    prompt_targets: torch.Tensor  # [total prompt rows] the token each prompt row predicts
+    top_logprobs_num: int
+    return_logprob: bool
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    mode: ForwardMode
+    # Whether each request samples a token this step (a chunk that ends mid-prompt does not).
+    samples: list[bool] = field(default_factory=list)
+    out_cache_loc: torch.Tensor | None = None  # KV slots for this step's new tokens
+    worker_batch: ModelWorkerBatch | None = None
+
+    def fingerprint(self) -> str:
+        desc = repr((self.mode.value, [(r.rid, r.cached_len, r.device_len) for r in self.reqs]))
+        return hashlib.sha1(desc.encode()).hexdigest()[:16]
+
+    def to_worker_batch(self, req_to_token: torch.Tensor, out_cache_loc: torch.Tensor,
+                        vocab_size: int, base_seed: int, device: str) -> ModelWorkerBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_idx: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[int, int] | None] = []
+        prompt_targets: list[int] = []
+        for req, samples in zip(self.reqs, self.samples):
+            fill = req.fill_ids
+            start = len(ids)
+            ids.extend(fill[req.cached_len:req.device_len])
+            positions.extend(range(req.cached_len, req.device_len))
+            pstart = req.prompt_logprob_start
+            prompt_end = len(req.origin_input_ids) - 1
+            if pstart is not None and req.cached_len <= prompt_end:
+                lo, hi = max(pstart, req.cached_len), min(req.device_len, prompt_end)
+                if hi > lo:
+                    prompt_rows.append((len(logits_idx), hi - lo))
+                    logits_idx.extend(start + p - req.cached_len for p in range(lo, hi))
+                    prompt_targets.extend(fill[lo + 1:hi + 1])
+                else:
+                    prompt_rows.append(None)
+            else:
+                prompt_rows.append(None)
+            if samples:
+                sample_rows.append(len(logits_idx))
+                logits_idx.append(len(ids) - 1)
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        fb = ForwardBatch(
+            mode=self.mode, input_ids=t(ids), positions=t(positions), out_cache_loc=out_cache_loc,
+            req_pool_indices=t([r.req_pool_idx for r in self.reqs]),
+            prefix_lens=t([r.cached_len for r in self.reqs]),
+            extend_lens=t([r.extend_len for r in self.reqs]),
+            logits_indices=t(logits_idx),
+        )
+        sampling = build_sampling_info([r for r, s in zip(self.reqs, self.samples) if s],
+                                       vocab_size, base_seed, device)
+        return ModelWorkerBatch(
+            fb, sampling, t(sample_rows), prompt_rows, t(prompt_targets),
+            max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
+            any(r.return_logprob for r in self.reqs),
+        )
+
+
+def request_seed(req: Req, base_seed: int) -> int:
+    """A request without a seed still gets a deterministic one, the same on every rank."""
+    if req.sampling_params.seed is not None:
+        return req.sampling_params.seed
+    digest = hashlib.sha1(f"{base_seed}:{req.rid}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str) -> SamplingBatchInfo:
+    ps = [r.sampling_params for r in reqs]
+    f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    i = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    top_ks = [p.top_k if p.top_k > 0 else vocab for p in ps]
+    info = SamplingBatchInfo(
+        temperatures=f([0.0 if p.is_greedy else p.temperature for p in ps]),
+        top_ps=f([p.top_p for p in ps]), top_ks=i(top_ks), min_ps=f([p.min_p for p in ps]),
+        seeds=i([request_seed(r, base_seed) for r in reqs]),
+        steps=i([len(r.output_ids) for r in reqs]),
+        all_greedy=all(p.is_greedy for p in ps),
+        need_filter=any(p.top_p < 1 or k < vocab or p.min_p > 0 for p, k in zip(ps, top_ks)),
+    )
+    if any(p.frequency_penalty or p.presence_penalty for p in ps):
+        info.frequency_penalties = f([p.frequency_penalty for p in ps])
+        info.presence_penalties = f([p.presence_penalty for p in ps])
+        info.output_counts = counts_matrix([r.output_ids for r in reqs], vocab, device)
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        info.repetition_penalties = f([p.repetition_penalty for p in ps])
+        info.seen_mask = counts_matrix([r.fill_ids for r in reqs], vocab, device) > 0
+    return info

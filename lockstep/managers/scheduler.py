@@ -1,0 +1,479 @@
+"""The scheduler: one per rank, all deciding identically from the same inputs.
+
+Each step: process inputs -> get_next_batch_to_run -> run on the worker -> process results.
+Nothing here reads wall-clock time, iterates a set, or draws unseeded randomness: two
+schedulers fed the same inputs make the same batches (see `fingerprints`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lockstep.managers.io_struct import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    ReqOutput,
+    TokenizedGenerateReq,
+)
+from lockstep.managers.schedule_batch import Req, ReqState, ScheduleBatch
+from lockstep.managers.schedule_policy import order_waiting
+from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from lockstep.mem_cache.radix_cache import ChunkCache, RadixCache
+from lockstep.model_executor.forward_batch import ForwardMode
+from lockstep.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# A waiting request sharing this many new tokens with one admitted this step waits a step, so
+# that it reuses the other's KV from the tree instead of computing the same prefix twice.
+IN_BATCH_PREFIX_THRESHOLD = 32
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.2
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+class KVLeakError(RuntimeError):
+    pass
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # submitted
+    prefill_tokens: int = 0  # actually computed in extend passes
+    cached_tokens: int = 0
+    retractions: int = 0
+    generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, worker: TpModelWorker, eos_token_ids: Iterable[int] = (),
+                 strict_integrity: bool = False) -> None:
+        self.args = args
+        self.worker = worker
+        runner = worker.runner
+        self.device = runner.device
+        self.vocab_size = runner.model_cfg.vocab_size
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = runner.allocator
+        self.max_total_tokens = runner.max_total_tokens
+        self.context_len = runner.context_len
+        self.max_req_len = min(self.context_len, self.req_to_token_pool.max_context_len - 1)
+        self.tree = ChunkCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator)
+        self.eos_ids = frozenset(eos_token_ids)
+        self.strict_integrity = strict_integrity
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.step_count = 0
+        self.init_ratio = args.new_token_ratio
+        self.new_token_ratio = args.new_token_ratio
+        self.rng = random.Random(args.random_seed)
+        self.fingerprints: list[str] = []
+        self.stats = SchedulerStats()
+        self._pending: list[ReqOutput] = []
+        self.control_replies: list[Any] = []
+
+    # ---- inputs -------------------------------------------------------------------------
+    def process_inputs(self, msgs: Iterable[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReq):
+                self._add_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort(msg.rid, msg.finish_reason)
+            elif isinstance(msg, FlushCacheReq):
+                self.control_replies.append(self.flush_cache())
+            else:
+                logger.error("scheduler ignored unknown message %r", type(msg).__name__)
+
+    def _add_request(self, msg: TokenizedGenerateReq) -> None:
+        req = Req.from_input(msg, self.step_count)
+        n_prompt, max_new = len(req.origin_input_ids), req.sampling_params.max_new_tokens
+        error = None
+        if n_prompt == 0:
+            error = "the prompt is empty"
+        elif n_prompt + max_new > self.max_req_len:
+            error = (f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the "
+                     f"context length {self.max_req_len}")
+        elif n_prompt + max_new > self.max_total_tokens:
+            error = (f"prompt + max_new_tokens ({n_prompt + max_new}) exceeds the KV pool "
+                     f"({self.max_total_tokens} tokens)")
+        elif any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
+            error = f"input_ids must be in [0, {self.vocab_size})"
+        self.stats.prompt_tokens += n_prompt
+        if error:
+            self._finish(req, {"type": "abort", "message": error, "status_code": 400})
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str, reason: dict[str, Any] | None = None) -> None:
+        reason = reason or {"type": "abort", "message": "aborted"}
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self._release(req)
+                self._finish(req, reason)
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+            self._release(req)
+            self._finish(req, reason)
+        for req in list(self.running):
+            if req.rid == rid:
+                self.running.remove(req)
+                self._release(req)
+                self._finish(req, reason)
+
+    def flush_cache(self) -> FlushCacheOut:
+        if self.waiting or self.running or self.chunked_req:
+            return FlushCacheOut(False, "cannot flush the cache while requests are running")
+        self.tree.reset()
+        self.check_integrity()
+        return FlushCacheOut(True)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self, msgs: Iterable[Any] = ()) -> list[ReqOutput]:
+        self.process_inputs(msgs)
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+        elif self.is_idle():
+            self.check_integrity()
+        self.step_count += 1
+        return self.take_outputs()
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        return self.worker.forward_batch_generation(batch.worker_batch)
+
+    def take_outputs(self) -> list[ReqOutput]:
+        out, self._pending = self._pending, []
+        return out
+
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        self._decay_ratio()
+        prefill = self._prefill_batch()
+        if prefill is not None and self.args.enable_mixed_chunk and self.running:
+            decode = self._decode_batch()
+            if decode is not None:
+                prefill = ScheduleBatch(prefill.reqs + decode.reqs, ForwardMode.MIXED,
+                                        prefill.samples + decode.samples,
+                                        torch.cat((prefill.out_cache_loc, decode.out_cache_loc)))
+        batch = prefill if prefill is not None else self._decode_batch()
+        if batch is None:
+            return None
+        batch.worker_batch = batch.to_worker_batch(
+            self.req_to_token_pool.req_to_token, batch.out_cache_loc, self.vocab_size,
+            self.args.random_seed, self.device)
+        if self.args.debug_fingerprints or self.args.enable_lockstep_check:
+            self.fingerprints.append(batch.fingerprint())
+        return batch
+
+    # ---- admission ----------------------------------------------------------------------
+    def _reserved_tokens(self) -> int:
+        """KV the running requests will still need, by the estimated new-token ratio."""
+        total = 0
+        for r in self.running:
+            left = r.sampling_params.max_new_tokens - len(r.output_ids)
+            total += int(max(0, left) * self.new_token_ratio)
+        return total
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        short = n - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.alloc(n)
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        budget = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else 1 << 62
+        admitted: list[Req] = []
+        locs: list[torch.Tensor] = []
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            take = min(req.seq_len - req.cached_len, budget)
+            loc = self._alloc(take)
+            if loc is None:  # cannot happen when admission reserved the whole prompt
+                raise RuntimeError("KV for an admitted chunked prefill was not available")
+            req.device_len = req.cached_len + take
+            budget -= take
+            admitted.append(req)
+            locs.append(loc)
+            self.chunked_req = None if req.device_len == req.seq_len else req
+        if self.chunked_req is None and budget > 0 and self.waiting:
+            self._admit_waiting(admitted, locs, budget)
+        if not admitted:
+            return None
+        for req, loc in zip(admitted, locs):
+            self.req_to_token_pool.req_to_token[req.req_pool_idx, req.cached_len:req.device_len] = loc
+        return ScheduleBatch(admitted, ForwardMode.EXTEND,
+                             [r.device_len == r.seq_len for r in admitted], torch.cat(locs))
+
+    def _admit_waiting(self, admitted: list[Req], locs: list[torch.Tensor], budget: int) -> None:
+        available = self.allocator.available_size() + self.tree.evictable_size()
+        reserved = self._reserved_tokens() + sum(r.seq_len - r.cached_len for r in admitted)
+        for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.rng):
+            if budget <= 0 or len(self.running) + len(admitted) >= self.args.max_running_requests:
+                break
+            if self.req_to_token_pool.available_size() == 0:
+                break
+            fill = req.fill_ids
+            indices, node = self.tree.match_prefix(fill)
+            limit = len(fill) - 1
+            if req.prompt_logprob_start is not None:
+                limit = min(limit, req.prompt_logprob_start)
+            prefix = min(int(indices.numel()), limit)
+            if self._shares_new_prefix(fill, prefix, admitted):
+                continue
+            extend = len(fill) - prefix
+            left = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
+            need = extend + int(left * self.new_token_ratio)
+            if reserved + need > available:
+                break
+            self.tree.inc_lock_ref(node)
+            take = min(extend, budget)
+            loc = self._alloc(take)
+            if loc is None:
+                self.tree.dec_lock_ref(node)
+                break
+            req.req_pool_idx = self.req_to_token_pool.alloc()
+            self.req_to_token_pool.req_to_token[req.req_pool_idx, :prefix] = indices[:prefix]
+            req.last_node, req.prefix_len = node, prefix
+            req.cached_len, req.device_len = prefix, prefix + take
+            if not req.output_ids:
+                req.cached_tokens = prefix
+                self.stats.cached_tokens += prefix
+            req.state = ReqState.PREFILL
+            self.waiting.remove(req)
+            admitted.append(req)
+            locs.append(loc)
+            budget -= take
+            reserved += need
+            if take < extend:
+                self.chunked_req = req
+                break
+
+    def _shares_new_prefix(self, fill: list[int], prefix: int, admitted: list[Req]) -> bool:
+        if isinstance(self.tree, ChunkCache) or len(fill) - prefix <= IN_BATCH_PREFIX_THRESHOLD:
+            return False
+        for other in admitted:
+            ofill = other.fill_ids
+            n = prefix
+            end = min(len(fill), len(ofill))
+            while n < end and fill[n] == ofill[n]:
+                n += 1
+            if n - prefix >= IN_BATCH_PREFIX_THRESHOLD:
+                return True
+        return False
+
+    # ---- decode and retraction ----------------------------------------------------------
+    def _decode_batch(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        loc = self._alloc(len(self.running))
+        while loc is None:
+            self._retract_one()
+            if not self.running:
+                return None
+            loc = self._alloc(len(self.running))
+        for i, req in enumerate(self.running):
+            req.device_len = req.cached_len + 1
+            self.req_to_token_pool.req_to_token[req.req_pool_idx, req.cached_len] = loc[i]
+        return ScheduleBatch(list(self.running), ForwardMode.DECODE, [True] * len(self.running), loc)
+
+    def _retract_one(self) -> None:
+        """Retract the request that loses least: fewest tokens decoded, then longest prompt."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids), r.rid))
+        self.running.remove(victim)
+        self._release(victim)
+        victim.state, victim.retractions = ReqState.WAITING, victim.retractions + 1
+        self.waiting.append(victim)
+        self.stats.retractions += 1
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        logger.debug("retracted %s after %d tokens", victim.rid, len(victim.output_ids))
+
+    def _decay_ratio(self) -> None:
+        floor = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        step = (self.init_ratio - floor) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = max(floor, self.new_token_ratio - step)
+
+    # ---- results ------------------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, res: GenerationBatchResult) -> None:
+        sampled = 0
+        for i, req in enumerate(batch.reqs):
+            if req.finished:  # aborted while the batch ran
+                continue
+            self.stats.prefill_tokens += req.extend_len if batch.mode != ForwardMode.DECODE else 0
+            req.cached_len = req.device_len
+            if res.prompt_logprobs and res.prompt_logprobs[i] is not None:
+                self._add_prompt_logprobs(req, res, i)
+            if not batch.samples[i]:
+                self._cache_unfinished(req)
+                continue
+            j, sampled = sampled, sampled + 1
+            was_prefill = req.state == ReqState.PREFILL
+            if req.sampling_params.max_new_tokens == 0:
+                self._end(req, {"type": "length", "length": 0})
+                continue
+            token = res.next_token_ids[j]
+            req.output_ids.append(token)
+            self.stats.generated_tokens += 1
+            if req.return_logprob and res.next_token_logprobs is not None:
+                req.out_logprobs.append((res.next_token_logprobs[j], token))
+                if req.top_logprobs_num and res.next_top_logprobs is not None:
+                    req.out_top_logprobs.append(res.next_top_logprobs[j][: req.top_logprobs_num])
+            reason = self._check_finished(req, token)
+            if reason is not None:
+                self._end(req, reason)
+                continue
+            if was_prefill:
+                req.state = ReqState.DECODE
+                self._cache_unfinished(req)
+                self.running.append(req)
+            self._emit(req)
+
+    def _add_prompt_logprobs(self, req: Req, res: GenerationBatchResult, i: int) -> None:
+        if not req.in_logprobs and req.prompt_logprob_start is not None:
+            start = req.prompt_logprob_start
+            req.in_logprobs.append((None, req.origin_input_ids[start]))
+            if req.top_logprobs_num:
+                req.in_top_logprobs.append([])
+        req.in_logprobs.extend(res.prompt_logprobs[i])
+        if req.top_logprobs_num and res.prompt_top_logprobs[i]:
+            req.in_top_logprobs.extend(t[: req.top_logprobs_num] for t in res.prompt_top_logprobs[i])
+
+    def _check_finished(self, req: Req, token: int) -> dict[str, Any] | None:
+        p = req.sampling_params
+        n = len(req.output_ids)
+        if n >= p.min_new_tokens:
+            if token in p.stop_token_ids:
+                return {"type": "stop", "matched": token}
+            if not p.ignore_eos and token in self.eos_ids:
+                return {"type": "stop", "matched": token}
+        if n >= p.max_new_tokens or req.seq_len >= self.max_req_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _end(self, req: Req, reason: dict[str, Any]) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        self._finish(req, reason)
+
+    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+        req.finish_reason = reason
+        req.state = ReqState.FINISHED
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        new = req.output_ids[req.sent_len:]
+        req.sent_len = len(req.output_ids)
+        self._pending.append(ReqOutput(
+            rid=req.rid, new_token_ids=new, finish_reason=req.finish_reason,
+            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            output_token_logprobs=req.out_logprobs, output_top_logprobs=req.out_top_logprobs,
+            input_token_logprobs=req.in_logprobs, input_top_logprobs=req.in_top_logprobs,
+        ))
+        req.out_logprobs, req.out_top_logprobs, req.in_logprobs, req.in_top_logprobs = [], [], [], []
+
+    # ---- KV ownership -------------------------------------------------------------------
+    def _row(self, req: Req) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len]
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Hand the request's computed prefix to the tree now, so others can share it."""
+        if isinstance(self.tree, ChunkCache) or req.cached_len <= req.prefix_len:
+            return
+        tokens, indices = req.fill_ids[: req.cached_len], self._row(req).clone()
+        present = self.tree.insert(tokens, indices)
+        self.allocator.free(indices[req.prefix_len:present])
+        new_indices, node = self.tree.match_prefix(tokens)
+        self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len] = new_indices
+        self.tree.inc_lock_ref(node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len = node, req.cached_len
+
+    def _release(self, req: Req) -> None:
+        """Give up the request's KV: into the tree (radix) or back to the allocator."""
+        if req.req_pool_idx is None:
+            return
+        indices = self._row(req).clone()
+        if isinstance(self.tree, ChunkCache):
+            self.allocator.free(indices)
+        else:
+            present = self.tree.insert(req.fill_ids[: req.cached_len], indices)
+            self.allocator.free(indices[req.prefix_len:present])
+            self.tree.dec_lock_ref(req.last_node)
+        # Slots allocated for a step that never ran (abort mid-batch) are freed too.
+        if req.device_len > req.cached_len:
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[req.cached_len:req.device_len].clone())
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node = None, None
+        req.cached_len = req.device_len = req.prefix_len = 0
+
+    def check_integrity(self) -> None:
+        free = self.allocator.available_size()
+        held = self.tree.total_size()
+        ok = free + held == self.max_total_tokens and self.tree.protected_size() == 0
+        ok = ok and self.req_to_token_pool.available_size() == self.req_to_token_pool.size
+        if ok:
+            return
+        msg = (f"KV leak at idle: free {free} + tree {held} != total {self.max_total_tokens}, "
+               f"protected {self.tree.protected_size()}, "
+               f"req slots free {self.req_to_token_pool.available_size()}/{self.req_to_token_pool.size}")
+        if self.strict_integrity:
+            raise KVLeakError(msg)
+        logger.error(msg)
+
+
+def create_scheduler(args: ServerArgs, tp=None, local_ranks: int = 1,
+                     strict_integrity: bool = False) -> Scheduler:
+    """Load the model for this rank and build its scheduler; used by every scheduler process
+    and by in-process tests alike."""
+    from lockstep.configs.model_config import ModelConfig
+    from lockstep.distributed.parallel_state import SINGLE
+    from lockstep.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
+    from lockstep.model_loader import resolve_model
+
+    source = resolve_model(args.model_path)
+    model_cfg = ModelConfig.from_hf(source.hf_config)
+    runner_cfg = RunnerConfig(
+        device=args.device, dtype=resolve_dtype(args.dtype, args.device),
+        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+        max_running_requests=args.max_running_requests, context_length=args.context_length,
+        local_ranks=local_ranks,
+    )
+    torch.manual_seed(args.random_seed)
+    runner = ModelRunner(model_cfg, source.weight_files, runner_cfg, tp or SINGLE)
+    return Scheduler(args, TpModelWorker(runner), stop_token_ids(source.model_dir, model_cfg),
+                     strict_integrity)
+
+
+# End-of-turn tokens of the chat formats we know: a chat reply ends there, not at <eos>.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>")
+
+
+def stop_token_ids(model_dir, model_cfg) -> list[int]:
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    ids = set(model_cfg.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    tok_file = Path(model_dir) / "tokenizer.json"
+    if tok_file.exists():
+        tok = Tokenizer.from_file(str(tok_file))
+        ids |= {i for t in END_OF_TURN_TOKENS if (i := tok.token_to_id(t)) is not None}
+    return sorted(ids)

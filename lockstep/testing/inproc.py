@@ -1,0 +1,53 @@
+"""Drive a Scheduler inside the test process: the same scheduler the server runs, no sockets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lockstep.managers.io_struct import SamplingParams, TokenizedGenerateReq
+from lockstep.managers.scheduler import Scheduler, create_scheduler
+from lockstep.server_args import ServerArgs
+
+
+@dataclass
+class Finished:
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[dict[str, Any]] = None
+    logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[Optional[float]] = field(default_factory=list)
+    cached_tokens: int = 0
+
+
+def make_scheduler(model_path: str, **overrides: Any) -> Scheduler:
+    args = ServerArgs(model_path=str(model_path), dtype=overrides.pop("dtype", "float32"), **overrides)
+    return create_scheduler(args, strict_integrity=True)
+
+
+def greedy_req(rid: str, ids: list[int], max_new: int, **kw: Any) -> TokenizedGenerateReq:
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    for k in list(kw):
+        if hasattr(params, k):
+            setattr(params, k, kw.pop(k))
+    return TokenizedGenerateReq(rid, list(ids), params, **kw)
+
+
+def run_to_completion(sched: Scheduler, schedule: dict[int, list[Any]] | list[Any],
+                      max_steps: int = 100_000) -> dict[str, Finished]:
+    """Feed `schedule` (messages, or {step: messages}) and step until every request finishes."""
+    timed = schedule if isinstance(schedule, dict) else {0: list(schedule)}
+    results: dict[str, Finished] = {}
+    last_input = max(timed) if timed else 0
+    for step in range(max_steps):
+        for out in sched.step(timed.get(step, [])):
+            r = results.setdefault(out.rid, Finished())
+            r.output_ids.extend(out.new_token_ids)
+            r.logprobs.extend(lp for lp, _ in out.output_token_logprobs)
+            r.input_logprobs.extend(lp for lp, _ in out.input_token_logprobs)
+            r.cached_tokens = out.cached_tokens
+            if out.finish_reason is not None:
+                r.finish_reason = out.finish_reason
+        if step >= last_input and sched.is_idle():
+            sched.check_integrity()
+            return results
+    raise RuntimeError(f"requests still unfinished after {max_steps} steps")
