@@ -1,0 +1,119 @@
+"""HF transformers as the correctness oracle for tests (never used on the serving path).
+
+Each prompt runs alone (batch 1, no padding) with ``attn_implementation="eager"`` so that
+sliding windows and soft-capping are applied exactly as the reference implementation does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+
+@dataclass
+class OracleResult:
+    output_ids: list[int]
+    # log_softmax over the full raw logits (float32) of each chosen greedy token
+    logprobs: list[float]
+    # raw-logit gap between the chosen token and the runner-up at each step; where it is tiny
+    # (random tiny models hit ~1e-6 now and then) another correct implementation may pick the
+    # runner-up, so compare with ``greedy_matches`` rather than plain equality.
+    margins: list[float] = field(default_factory=list)
+
+
+def greedy_matches(actual_ids: list[int], expected: OracleResult, tie_tol: float = 1e-3) -> bool:
+    """True if ``actual_ids`` equals the oracle's greedy output, allowing a near-tie divergence.
+
+    Tokens must agree up to the first mismatch; a mismatch is accepted (and the rest of the
+    sequence ignored, as it then legitimately differs) only where the oracle's top-2 logit margin
+    at that step is below ``tie_tol``. Lengths must match.
+    """
+    if len(actual_ids) != len(expected.output_ids):
+        return False
+    for i, (a, e) in enumerate(zip(actual_ids, expected.output_ids)):
+        if a != e:
+            return i < len(expected.margins) and expected.margins[i] < tie_tol
+    return True
+
+
+def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load (once per process, per (dir, dtype)) an eval-mode AutoModelForCausalLM."""
+    key = (str(Path(model_dir).resolve()), dtype)
+    model = _MODELS.get(key)
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=dtype, attn_implementation="eager"
+        )
+        model.eval()
+        _MODELS[key] = model
+    return model
+
+
+def clear_oracle_cache() -> None:
+    _MODELS.clear()
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    # transformers >= 5.2x renamed forward's `past_key_values` to `cache` (old name deprecated).
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _output_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+@torch.inference_mode()
+def hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[OracleResult]:
+    """Greedy-decode exactly ``max_new_tokens`` tokens for each prompt (no EOS stop)."""
+    model = load_hf_model(model_dir, dtype)
+    cache_kw = _cache_kwarg(model)
+    results = []
+    for prompt in prompts:
+        if not prompt:
+            raise ValueError("empty prompt")
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        margins: list[float] = []
+        input_ids = torch.tensor([prompt], dtype=torch.long)
+        cache = None
+        for _ in range(max_new_tokens):
+            out = model(input_ids=input_ids, use_cache=True, **{cache_kw: cache})
+            cache = _output_cache(out)
+            logits = out.logits[0, -1].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(logits, 2)
+            tok = int(top.indices[0])
+            out_ids.append(tok)
+            logprobs.append(float(lp[tok]))
+            margins.append(float(top.values[0] - top.values[1]))
+            input_ids = torch.tensor([[tok]], dtype=torch.long)
+        results.append(OracleResult(output_ids=out_ids, logprobs=logprobs, margins=margins))
+    return results
+
+
+@torch.inference_mode()
+def hf_prompt_logprobs(
+    model_dir: Path, prompt: list[int], dtype: torch.dtype = torch.float32
+) -> list[float]:
+    """``[log p(prompt[i] | prompt[:i]) for i in 1..len(prompt)-1]`` (float32 log_softmax)."""
+    model = load_hf_model(model_dir, dtype)
+    if len(prompt) < 2:
+        return []
+    ids = torch.tensor([prompt], dtype=torch.long)
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp.gather(1, ids[0, 1:, None])[:, 0].tolist()
