@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
@@ -17,12 +17,12 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cach
 @dataclass(frozen=True)
 class ServerArgs:
     # Model
-    model_path: Optional[str] = field(
+    model_path: str | None = field(
         default=None, metadata={"help": "GGUF file or HF directory; default: Gemma 3 270M (bundled)."}
     )
-    tokenizer_path: Optional[str] = field(default=None, metadata={"help": "Defaults to the model's own."})
-    served_model_name: Optional[str] = field(default=None, metadata={"help": "Name in /v1/models."})
-    chat_template: Optional[str] = field(
+    tokenizer_path: str | None = field(default=None, metadata={"help": "Defaults to the model's own."})
+    served_model_name: str | None = field(default=None, metadata={"help": "Name in /v1/models."})
+    chat_template: str | None = field(
         default=None, metadata={"help": "Built-in name (gemma, llama3, chatml) or a Jinja file."}
     )
     dtype: str = field(
@@ -31,22 +31,22 @@ class ServerArgs:
                   "choices": ["auto", "float32", "bfloat16", "float16"]},
     )
     device: str = field(default="cpu", metadata={"help": "cpu or cuda.", "choices": ["cpu", "cuda"]})
-    context_length: Optional[int] = field(default=None, metadata={"help": "Override the model's."})
+    context_length: int | None = field(default=None, metadata={"help": "Override the model's."})
     # Server
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: Optional[str] = field(default=None, metadata={"help": "Bearer key required on every route but /health."})
+    api_key: str | None = field(default=None, metadata={"help": "Bearer key required on every route but /health."})
     log_level: str = field(default="info", metadata={"choices": ["debug", "info", "warning", "error"]})
     incremental_streaming_output: bool = field(
         default=False, metadata={"help": "Stream only the new text in each /generate event."}
     )
     # Memory
-    max_total_tokens: Optional[int] = field(default=None, metadata={"help": "KV pool size in tokens."})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
     mem_fraction_static: float = field(
         default=0.2, metadata={"help": "Share of free memory for the KV pool when --max-total-tokens is unset."}
     )
     max_running_requests: int = 64
-    max_queued_requests: Optional[int] = None
+    max_queued_requests: int | None = None
     # Scheduling
     schedule_policy: str = field(default="fcfs", metadata={"choices": list(SCHEDULE_POLICIES)})
     chunked_prefill_size: int = field(default=512, metadata={"help": "Max prefill tokens per step; -1 disables chunking."})
@@ -67,7 +67,7 @@ class ServerArgs:
     load_balance_method: str = field(default="round_robin", metadata={"choices": list(LOAD_BALANCE_METHODS)})
     nnodes: int = 1
     node_rank: int = 0
-    dist_init_addr: Optional[str] = field(default=None, metadata={"help": "HOST:PORT of node 0 for torch.distributed."})
+    dist_init_addr: str | None = field(default=None, metadata={"help": "HOST:PORT of node 0 for torch.distributed."})
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,7 +85,7 @@ class ServerArgs:
         if problems:
             raise ValueError("; ".join(problems))
 
-    def replace(self, **changes: Any) -> "ServerArgs":
+    def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 
     @property
@@ -107,5 +107,26 @@ class ServerArgs:
             )
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """IPC endpoints and ports of one server instance, unique so two servers never collide."""
+
+    tokenizer_ipc: str  # detokenizer -> tokenizer manager
+    scheduler_input_ipc: str  # tokenizer manager (or DP controller) -> scheduler rank 0
+    detokenizer_ipc: str  # scheduler -> detokenizer
+    dist_init_addr: str  # host:port for torch.distributed
+
+    @staticmethod
+    def new(args: ServerArgs) -> PortArgs:
+        import tempfile
+        import uuid
+
+        from lockstep.utils.process import free_port
+
+        base = f"ipc://{tempfile.gettempdir()}/lockstep-{uuid.uuid4().hex[:12]}"
+        dist = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+        return PortArgs(f"{base}-tok", f"{base}-sched", f"{base}-detok", dist)

@@ -7,7 +7,6 @@ torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,9 +17,9 @@ class ParallelGroup:
     rank: int = 0
     size: int = 1
     # Group for tensors on the model's device (gloo on CPU, NCCL on CUDA).
-    device_group: Optional[dist.ProcessGroup] = None
+    device_group: dist.ProcessGroup | None = None
     # Gloo group for control traffic (pickled inputs, fingerprints), whatever the device.
-    cpu_group: Optional[dist.ProcessGroup] = None
+    cpu_group: dist.ProcessGroup | None = None
     # Global rank of this group's rank 0, the source of broadcasts.
     first_global_rank: int = 0
 

@@ -75,8 +75,13 @@ class ReqOutput:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # The detokenizer needs the stop strings and special-token settings.
+    sampling_params: SamplingParams | None = None
     # Filled in by the detokenizer.
     text_delta: str = ""
+    # True when the detokenizer, not the scheduler, finished it (a stop string matched): the
+    # tokenizer manager then tells the scheduler to stop the request and free its KV.
+    finished_by_detokenizer: bool = False
 
 
 @dataclass

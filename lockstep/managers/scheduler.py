@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._pending: list[ReqOutput] = []
         self.control_replies: list[Any] = []
+        # Called with (step, fingerprint) before each step's batch runs; the lockstep check.
+        self.before_run: Callable[[int, str], None] | None = None
+        self.perturb = False  # fault injection for the lockstep check's own test
 
     # ---- inputs -------------------------------------------------------------------------
     def process_inputs(self, msgs: Iterable[Any]) -> None:
@@ -139,6 +142,8 @@ class Scheduler:
     def step(self, msgs: Iterable[Any] = ()) -> list[ReqOutput]:
         self.process_inputs(msgs)
         batch = self.get_next_batch_to_run()
+        if self.before_run is not None:
+            self.before_run(self.step_count, batch.fingerprint() if batch else "idle")
         if batch is not None:
             result = self.run_batch(batch)
             self.process_batch_result(batch, result)
@@ -169,6 +174,9 @@ class Scheduler:
         batch = prefill if prefill is not None else self._decode_batch()
         if batch is None:
             return None
+        if self.perturb and len(batch.reqs) > 1:
+            batch.reqs.reverse()
+            batch.samples.reverse()
         batch.worker_batch = batch.to_worker_batch(
             self.req_to_token_pool.req_to_token, batch.out_cache_loc, self.vocab_size,
             self.args.random_seed, self.device)
@@ -380,6 +388,7 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
             output_token_logprobs=req.out_logprobs, output_top_logprobs=req.out_top_logprobs,
             input_token_logprobs=req.in_logprobs, input_top_logprobs=req.in_top_logprobs,
+            sampling_params=req.sampling_params,
         ))
         req.out_logprobs, req.out_top_logprobs, req.in_logprobs, req.in_top_logprobs = [], [], [], []
 

@@ -1,0 +1,121 @@
+"""A scheduler process: one per (pp_rank, tp_rank). Rank 0 reads inputs and broadcasts them;
+every rank then runs the same Scheduler step; rank 0 sends the outputs on."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import zmq
+
+from lockstep.distributed.communication import (
+    all_gather_pyobj,
+    broadcast_pyobj,
+    init_distributed,
+    make_tp_group,
+)
+from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.managers.io_struct import BatchTokenIDOut, decode, encode
+from lockstep.managers.scheduler import Scheduler, create_scheduler
+from lockstep.server_args import PortArgs, ServerArgs
+from lockstep.utils.process import configure_logging, die_with_parent, set_title
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 500
+# Test-only fault injection: this TP rank reorders its batches, so the lockstep check must fire.
+PERTURB_ENV = "LOCKSTEP_FAULT_PERTURB_RANK"
+
+
+class LockstepError(RuntimeError):
+    pass
+
+
+def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_rank: int,
+                          threads: int, pipe: Connection) -> None:
+    die_with_parent()
+    set_title(f"lockstep::scheduler TP{tp_rank}" + (f" PP{pp_rank}" if args.pp_size > 1 else ""))
+    configure_logging(args.log_level, f"TP{tp_rank}")
+    torch.set_num_threads(threads)
+    try:
+        world = args.tp_size * args.pp_size
+        if world > 1:
+            init_distributed(ports.dist_init_addr, world, pp_rank * args.tp_size + tp_rank, args.device)
+        tp = make_tp_group(args.tp_size, tp_rank, pp_rank, args.device)
+        local_ranks = max(1, world // args.nnodes)
+        sched = create_scheduler(args, tp, local_ranks=local_ranks)
+        ctx = zmq.Context()
+        recv = send = None
+        if tp_rank == 0:
+            recv = ctx.socket(zmq.PULL)
+            recv.bind(ports.scheduler_input_ipc)
+            send = ctx.socket(zmq.PUSH)
+            send.connect(ports.detokenizer_ipc)
+    except Exception as e:  # noqa: BLE001 - any startup failure is reported to the launcher
+        logger.error("scheduler TP%d failed to start:\n%s", tp_rank, traceback.format_exc())
+        pipe.send({"status": "error", "message": f"scheduler TP{tp_rank}: {type(e).__name__}: {e}"})
+        sys.exit(1)
+    pipe.send({"status": "ready", "max_total_num_tokens": sched.max_total_tokens,
+               "context_len": sched.context_len})
+    try:
+        event_loop(args, sched, tp, recv, send)
+    except Exception:  # noqa: BLE001
+        logger.error("scheduler TP%d crashed:\n%s", tp_rank, traceback.format_exc())
+        # Bring the whole server down loudly, as SGLang does with SIGQUIT to the parent.
+        os.kill(os.getppid(), signal.SIGQUIT)
+        sys.exit(1)
+
+
+def recv_requests(sock: zmq.Socket | None, block: bool) -> list[Any]:
+    if sock is None:
+        return []
+    msgs: list[Any] = []
+    if block and not sock.poll(IDLE_POLL_MS):
+        return msgs
+    while True:
+        try:
+            msgs.append(decode(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return msgs
+
+
+def event_loop(args: ServerArgs, sched: Scheduler, tp: ParallelGroup, recv: zmq.Socket | None,
+               send: zmq.Socket | None) -> None:
+    if args.enable_lockstep_check:
+        sched.before_run = lockstep_checker(args.enable_lockstep_check, tp)
+    if os.environ.get(PERTURB_ENV) == str(tp.rank):
+        sched.perturb = True
+    while True:
+        msgs = recv_requests(recv, block=sched.is_idle())
+        msgs = broadcast_pyobj(msgs, tp)
+        outputs = sched.step(msgs)
+        if send is not None:
+            if outputs:
+                send.send(encode(BatchTokenIDOut(outputs)))
+            for reply in sched.control_replies:
+                send.send(encode(reply))
+        sched.control_replies.clear()
+
+
+def lockstep_checker(every: int, tp: ParallelGroup):
+    """Every `every` steps the ranks compare a running hash of their schedule decisions, and fail
+    with both fingerprints instead of hanging in a collective with mismatched batches."""
+    state = {"digest": ""}
+
+    def check(step: int, fingerprint: str) -> None:
+        state["digest"] = hashlib.sha1((state["digest"] + fingerprint).encode()).hexdigest()[:16]
+        if step % every:
+            return
+        seen = all_gather_pyobj(state["digest"], tp)
+        if len(set(seen)) > 1:
+            raise LockstepError(
+                f"lockstep check failed at step {step}: ranks made different scheduling decisions; "
+                f"fingerprints by TP rank: {seen}")
+
+    return check

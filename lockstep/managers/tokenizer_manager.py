@@ -1,0 +1,195 @@
+"""The front process's request tracker: tokenize, send to the scheduler, await outputs.
+
+Each request has a small state with a queue; one background task reads the detokenizer's
+socket and routes each output to its request. `generate` is an async iterator of SGLang-format
+dicts ({"text", "output_ids", "meta_info"}) that the HTTP routes and the Engine share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from lockstep.entrypoints.protocol import SamplingParamsModel, SingleGenerateReq
+from lockstep.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    ReqOutput,
+    SamplingParams,
+    TokenizedGenerateReq,
+    decode,
+    encode,
+)
+from lockstep.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the server cannot serve as asked: becomes a 4xx, never a crash."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_ids: list[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    created: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, ports: PortArgs, tokenizer: Any, context_len: int,
+                 max_total_num_tokens: int, vocab_size: int) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.max_total_num_tokens = max_total_num_tokens
+        self.vocab_size = vocab_size
+        self.ctx = zmq.asyncio.Context()
+        self.to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.to_scheduler.connect(ports.scheduler_input_ipc)
+        self.from_detokenizer = self.ctx.socket(zmq.PULL)
+        self.from_detokenizer.bind(ports.tokenizer_ipc)
+        self.states: dict[str, ReqState] = {}
+        self.control_waiters: list[asyncio.Future] = []
+        self.observers: list[Any] = []  # called with (state, output) on every output (metrics)
+        self._loop_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Call from inside the event loop that will serve requests."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.states)
+
+    # ---- requests -----------------------------------------------------------------------
+    def tokenize(self, req: SingleGenerateReq) -> list[int]:
+        if req.input_ids is not None:
+            ids = list(req.input_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            return ids
+        return self.tokenizer(req.text or "").input_ids
+
+    def to_sampling_params(self, sp: SamplingParamsModel, prompt_len: int) -> SamplingParams:
+        room = self.context_len - prompt_len
+        max_new = sp.max_new_tokens if sp.max_new_tokens is not None else room
+        if prompt_len == 0:
+            raise RequestError("the prompt is empty")
+        if prompt_len >= self.context_len:
+            raise RequestError(f"the prompt has {prompt_len} tokens; the context length is {self.context_len}")
+        if max_new > room:
+            raise RequestError(
+                f"max_new_tokens ({max_new}) + prompt ({prompt_len} tokens) exceeds the context "
+                f"length {self.context_len}; at most {room} new tokens fit")
+        fields = sp.model_dump(exclude={"n", "max_new_tokens"})
+        return SamplingParams(max_new_tokens=max_new, **fields)
+
+    async def generate(self, req: SingleGenerateReq, prompt_ids: list[int] | None = None
+                       ) -> AsyncIterator[dict[str, Any]]:
+        """Yields one dict per output message; the last has meta_info.finish_reason set. If the
+        consumer stops early (client gone), the request is aborted and its KV freed."""
+        ids = prompt_ids if prompt_ids is not None else self.tokenize(req)
+        params = self.to_sampling_params(req.sampling_params, len(ids))
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.states) >= limit + self.args.max_running_requests:
+            raise RequestError("the server is at its request limit; retry later", status=503)
+        rid = req.rid or uuid.uuid4().hex
+        if rid in self.states:
+            raise RequestError(f"rid {rid!r} is already in use")
+        state = ReqState(rid, ids)
+        self.states[rid] = state
+        self.start()
+        await self.to_scheduler.send(encode(TokenizedGenerateReq(
+            rid, ids, params, req.return_logprob, req.logprob_start_len, req.top_logprobs_num,
+            req.stream, req.text)))
+        try:
+            while True:
+                out: ReqOutput = await state.queue.get()
+                yield self._merge(state, out, req)
+                if state.finished:
+                    return
+        finally:
+            self.states.pop(rid, None)
+            if not state.finished:
+                await self.abort(rid)
+
+    def _merge(self, state: ReqState, out: ReqOutput, req: SingleGenerateReq) -> dict[str, Any]:
+        now = time.perf_counter()
+        if out.new_token_ids and state.first_token_time is None:
+            state.first_token_time = now
+        state.last_token_time = now
+        state.text += out.text_delta
+        state.output_ids.extend(out.new_token_ids)
+        state.finished = out.finish_reason is not None
+        meta = state.meta
+        meta.update(id=state.rid, prompt_tokens=out.prompt_tokens,
+                    completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+                    finish_reason=out.finish_reason, e2e_latency=now - state.created)
+        if req.return_logprob:
+            meta.setdefault("output_token_logprobs", []).extend(self._lp(out.output_token_logprobs, req))
+            meta.setdefault("input_token_logprobs", []).extend(self._lp(out.input_token_logprobs, req))
+            if req.top_logprobs_num:
+                meta.setdefault("output_top_logprobs", []).extend(
+                    [self._lp(t, req) for t in out.output_top_logprobs])
+                meta.setdefault("input_top_logprobs", []).extend(
+                    [self._lp(t, req) if t else None for t in out.input_top_logprobs])
+        for observe in self.observers:
+            observe(state, out)
+        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": dict(meta),
+                "text_delta": out.text_delta, "new_token_ids": list(out.new_token_ids)}
+
+    def _lp(self, pairs: list, req: SingleGenerateReq) -> list[tuple]:
+        if req.return_text_in_logprobs:
+            return [(lp, tid, self.tokenizer.decode([tid])) for lp, tid in pairs]
+        return [(lp, tid, None) for lp, tid in pairs]
+
+    async def abort(self, rid: str, finish_reason: dict | None = None) -> None:
+        await self.to_scheduler.send(encode(AbortReq(rid, finish_reason)))
+
+    async def flush_cache(self) -> FlushCacheOut:
+        self.start()
+        fut = asyncio.get_running_loop().create_future()
+        self.control_waiters.append(fut)
+        await self.to_scheduler.send(encode(FlushCacheReq()))
+        return await asyncio.wait_for(fut, timeout=60)
+
+    # ---- outputs ------------------------------------------------------------------------
+    async def _handle_loop(self) -> None:
+        while True:
+            msg = decode(await self.from_detokenizer.recv())
+            if isinstance(msg, BatchStrOut):
+                for out in msg.outputs:
+                    if out.finished_by_detokenizer:
+                        # A stop string matched: the scheduler must stop it and free its KV.
+                        await self.abort(out.rid, out.finish_reason)
+                    state = self.states.get(out.rid)
+                    if state is not None:
+                        state.queue.put_nowait(out)
+            elif isinstance(msg, FlushCacheOut):
+                if self.control_waiters:
+                    self.control_waiters.pop(0).set_result(msg)
+            else:
+                logger.error("tokenizer manager ignored %s", type(msg).__name__)
