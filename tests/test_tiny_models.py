@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from lockstep.testing.corpus import corpus_text, random_prompt
@@ -72,6 +73,20 @@ def test_tokenizer_round_trips_and_specials():
     assert chat == "<bos><|im_start|>user\nHi 你好<|im_end|>\n<|im_start|>assistant\n"
     chat_ids = tok(chat, add_special_tokens=False).input_ids
     assert chat_ids[:2] == [BOS_ID, IM_START_ID] and chat_ids.count(BOS_ID) == 1
+
+
+def test_every_arch_tokenizes_identically():
+    # transformers 5 forces Qwen2Tokenizer (which rebuilds the normalizer and pre-tokenizer) for
+    # model_type qwen2 whatever tokenizer_config.json says; the tiny pipeline matches it.
+    ref = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+    raw = Tokenizer.from_file(str(tiny_tokenizer_dir() / "tokenizer.json"))
+    texts = TEXTS + corpus_text().splitlines()
+    expected = [ref(t).input_ids for t in texts]
+    assert [e.ids for e in raw.encode_batch(texts)] == expected
+    for arch in TINY_ARCHS:
+        tok = AutoTokenizer.from_pretrained(make_tiny_model(arch))
+        assert [tok(t).input_ids for t in texts] == expected, arch
+        assert tok.chat_template == ref.chat_template
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -35,7 +35,7 @@ import torch
 from lockstep.testing.corpus import corpus_text
 
 # Bump whenever the corpus, the tokenizer recipe or any tiny config / init changes.
-TINY_VERSION = "v2"
+TINY_VERSION = "v3"
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -46,6 +46,12 @@ PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 IM_START_TOKEN, IM_END_TOKEN = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+
+# GPT-2 / Qwen2 style pre-tokenization split (same string as transformers' Qwen2Tokenizer).
+_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # ChatML turns, prefixed with <bos> like Gemma / Llama templates. The rendered text already
 # holds <bos>, so tokenize it with add_special_tokens=False (as apply_chat_template does).
@@ -99,10 +105,28 @@ def _publish(final: Path, build: Callable[[Path], None]) -> Path:
 
 
 def _train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Exactly the pipeline transformers 5's Qwen2Tokenizer rebuilds (AutoTokenizer forces that
+    # class for model_type "qwen2" whatever tokenizer_config.json says), so that every tiny arch
+    # tokenizes identically, whether loaded by AutoTokenizer or from tokenizer.json directly.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
