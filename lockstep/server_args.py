@@ -100,7 +100,9 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue
-            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+            # With postponed annotations f.type is a string such as "int | None".
+            base = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
+            kind = {"int": int, "float": float}.get(base, str)
             parser.add_argument(
                 flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
                 help=f"{help_text} (default: {f.default})".strip(),
