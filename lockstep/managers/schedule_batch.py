@@ -156,7 +156,9 @@ class ScheduleBatch:
 def request_seed(req: Req, base_seed: int) -> int:
     """A request without a seed still gets a deterministic one, the same on every rank."""
     if req.sampling_params.seed is not None:
-        return req.sampling_params.seed
+        # Clients may send any seed in [-2**63, 2**64): wrap it into int64 (the hash uses the low
+        # 32 bits, which wrapping keeps), or building the seeds tensor kills the scheduler.
+        return (req.sampling_params.seed + 2**63) % 2**64 - 2**63
     digest = hashlib.sha1(f"{base_seed}:{req.rid}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
