@@ -95,7 +95,9 @@ class TokenizerManager:
 
     def to_sampling_params(self, sp: SamplingParamsModel, prompt_len: int) -> SamplingParams:
         room = self.context_len - prompt_len
-        max_new = sp.max_new_tokens if sp.max_new_tokens is not None else room
+        # Unset: as many as fit, in the context and in the KV pool (which may be smaller).
+        fits = min(self.context_len, self.max_total_num_tokens) - prompt_len
+        max_new = sp.max_new_tokens if sp.max_new_tokens is not None else max(fits, 0)
         if prompt_len == 0:
             raise RequestError("the prompt is empty")
         if prompt_len >= self.context_len:
