@@ -1,0 +1,162 @@
+"""The `lockstep` command: `lockstep serve [server args]`, `lockstep bench NAME [args]`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import pkgutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+DESCRIPTION = "lockstep: an SGLang-compatible LLM serving runtime (peer schedulers in lockstep)."
+SERVE_DESCRIPTION = """\
+Start the HTTP server: SGLang's native API (/generate) and OpenAI's (/v1/completions,
+/v1/chat/completions, /v1/models), plus /health, /metrics and the control routes.
+With no flags it serves the bundled Gemma 3 270M on http://127.0.0.1:30000."""
+SERVE_EPILOG = """examples:
+  lockstep serve
+  lockstep serve --model-path ~/models/Qwen2.5-0.5B-Instruct --port 8000
+  lockstep serve --tp-size 2 --max-total-tokens 65536 --api-key sk-local
+  curl http://127.0.0.1:30000/generate -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 16}}'"""
+
+# Option groups for --help, by flag; anything not listed lands in "other options".
+_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("--model-path", "--tokenizer-path", "--served-model-name", "--chat-template",
+              "--dtype", "--device", "--context-length"),
+    "server": ("--host", "--port", "--api-key", "--log-level", "--incremental-streaming-output"),
+    "memory": ("--max-total-tokens", "--mem-fraction-static", "--max-running-requests",
+               "--max-queued-requests"),
+    "scheduling": ("--schedule-policy", "--chunked-prefill-size", "--enable-mixed-chunk",
+                   "--disable-radix-cache", "--disable-overlap-schedule", "--new-token-ratio",
+                   "--random-seed", "--enable-lockstep-check", "--debug-fingerprints",
+                   "--watchdog-timeout"),
+    "parallelism": ("--tp-size", "--pp-size", "--dp-size", "--load-balance-method", "--nnodes",
+                    "--node-rank", "--dist-init-addr"),
+}
+
+
+# Help for the options whose ServerArgs field carries none.
+_FALLBACK_HELP = {
+    "--host": "Address to listen on.",
+    "--port": "Port to listen on.",
+    "--log-level": "Log level of every process.",
+    "--max-running-requests": "Most requests decoding at once.",
+    "--max-queued-requests": "Most requests waiting beyond the running ones; more get 503.",
+    "--schedule-policy": "Order in which waiting requests are admitted (lpm: longest prefix match).",
+    "--disable-radix-cache": "Do not share KV between requests with a common prefix.",
+    "--disable-overlap-schedule": "Do not prepare the next batch while the model runs.",
+    "--random-seed": "Seed of the sampling of requests that give none.",
+    "--watchdog-timeout": "Seconds a scheduler step may take before the server is declared hung.",
+    "--tp-size": "Tensor-parallel ranks per replica.",
+    "--pp-size": "Pipeline stages per replica.",
+    "--dp-size": "Data-parallel replicas.",
+    "--load-balance-method": "How the data-parallel controller picks a replica.",
+    "--nnodes": "Number of machines.",
+    "--node-rank": "This machine's rank among --nnodes.",
+}
+
+
+class _GroupedParser:
+    """Looks like a parser to ServerArgs.add_cli_args; files each option under its group."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.groups = {name: parser.add_argument_group(f"{name} options") for name in _GROUPS}
+        self.other = parser.add_argument_group("other options")
+        self.where = {flag: name for name, flags in _GROUPS.items() for flag in flags}
+
+    def add_argument(self, flag: str, **kwargs: Any) -> Any:
+        group = self.groups.get(self.where.get(flag, ""), self.other)
+        text = kwargs.get("help") or ""
+        if flag in _FALLBACK_HELP and (not text or text.startswith("(default")):
+            kwargs["help"] = text = f"{_FALLBACK_HELP[flag]} {text}".strip()
+        if text.endswith("(default: None)"):  # "None" says nothing: the help text says what
+            kwargs["help"] = text[: -len("(default: None)")].strip()
+        return group.add_argument(flag, **kwargs)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from lockstep.server_args import ServerArgs
+
+    ServerArgs.add_cli_args(_GroupedParser(parser))  # type: ignore[arg-type]
+
+
+def server_args_from(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
+    from lockstep.server_args import ServerArgs
+
+    try:
+        return ServerArgs.from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def serve_parser(prog: str = "lockstep serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, usage="%(prog)s [OPTIONS]", description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(parser)
+    return parser
+
+
+def run_serve(argv: Sequence[str], prog: str = "lockstep serve") -> None:
+    parser = serve_parser(prog)
+    args = server_args_from(parser, parser.parse_args(list(argv)))
+    from lockstep.entrypoints.http_server import launch_server
+
+    launch_server(args)
+
+
+def _benchmarks() -> list[str]:
+    try:
+        import lockstep.bench as bench
+    except ImportError:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
+
+
+def run_bench(name: str, argv: Sequence[str]) -> int:
+    available = _benchmarks()
+    if name not in available:
+        listing = ", ".join(available) if available else "none yet"
+        print(f"lockstep bench: unknown benchmark {name!r} (available: {listing})", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"lockstep.bench.{name}")
+    main = getattr(module, "main", None)
+    if main is None:
+        print(f"lockstep bench: lockstep.bench.{name} has no main()", file=sys.stderr)
+        return 2
+    sys.argv = [f"lockstep bench {name}", *argv]
+    result = main(list(argv)) if inspect.signature(main).parameters else main()
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="lockstep", description=DESCRIPTION,
+        epilog="Run 'lockstep COMMAND --help' for a command's options.")
+    from lockstep import __version__
+
+    parser.add_argument("--version", action="version", version=f"lockstep {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("serve", help="start the HTTP server (SGLang and OpenAI APIs)", add_help=False)
+    benches = ", ".join(_benchmarks()) or "none yet"
+    sub.add_parser("bench", help=f"run a benchmark: lockstep bench NAME [ARGS] ({benches})",
+                   add_help=False)
+    if not argv or argv[0] not in ("serve", "bench"):
+        parser.parse_args(argv)  # --help, --version, or an error naming the commands
+        parser.print_help()
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        run_serve(rest)
+        return 0
+    if not rest or rest[0] in ("-h", "--help"):
+        print("usage: lockstep bench NAME [ARGS]\n\nbenchmarks: " + benches)
+        return 0 if rest else 2
+    return run_bench(rest[0], rest[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,554 @@
+"""OpenAI's API over the tokenizer manager, and the request plumbing it shares with /generate.
+
+`Fanout` runs the single requests that one HTTP request fans out into (prompts x n) at once and
+hands back their outputs in arrival order. It first waits for every request's first output, so a
+request the server refuses (bad input, a prompt that can never fit) becomes a 4xx before any 200
+or stream starts; closing it aborts whatever is still running, which frees the KV.
+
+`OpenAIServing` turns /v1/completions and /v1/chat/completions bodies into those requests and
+the outputs into OpenAI's response and stream-chunk shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from lockstep.entrypoints.chat_templates import (
+    ChatTemplateError,
+    render_chat,
+    resolve_chat_template,
+)
+from lockstep.entrypoints.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    GenerateReqInput,
+    ModelCard,
+    ModelList,
+    SingleGenerateReq,
+    TopLogprob,
+    UsageInfo,
+    error_body,
+)
+from lockstep.managers.tokenizer_manager import RequestError, TokenizerManager
+from lockstep.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "gemma-3-270m"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
+    return json_response(error_body(message, status, param), status)
+
+
+def sse(data: Any) -> bytes:
+    """One server-sent event; `data` is a dict, a pydantic model, or a preformatted string."""
+    if isinstance(data, str):
+        return f"data: {data}\n\n".encode()
+    if hasattr(data, "model_dump"):
+        data = data.model_dump()
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that is cancelled as soon as the client disconnects, whatever ASGI spec version
+    the server speaks (Starlette only listens for the disconnect below 2.4, and otherwise notices
+    it on the next write, which for a queued request may be a long time away). Cancelling the
+    body iterator closes its Fanout, which aborts the requests and frees their KV."""
+
+    def __init__(self, content: AsyncIterator[bytes], status_code: int = 200) -> None:
+        super().__init__(content, status_code, headers=SSE_HEADERS, media_type="text/event-stream")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        stream = asyncio.ensure_future(self._stream(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watcher):
+                task.cancel()
+            await asyncio.gather(stream, watcher, return_exceptions=True)
+            closer = getattr(self.body_iterator, "aclose", None)
+            if closer is not None:
+                await closer()
+
+    async def _stream(self, send: Any) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:  # the client went away mid-write
+            pass
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming) response was ready."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the single requests of one HTTP request
+
+
+def abort_error(item: dict[str, Any]) -> RequestError | None:
+    """The scheduler refuses a request it can never serve with an abort carrying a status code."""
+    reason = item["meta_info"].get("finish_reason") or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        return RequestError(reason.get("message") or "request aborted", int(reason["status_code"]))
+    return None
+
+
+class Fanout:
+    """Runs single requests concurrently; `items()` yields (index, output) in arrival order.
+
+    Call `start()` first: it returns once every request has produced its first output and
+    raises RequestError if any was refused. With `request`, a client disconnect while waiting
+    raises ClientGone. Always `close()` it (also safe inside a cancelled task): requests still
+    running are aborted."""
+
+    def __init__(self, tm: TokenizerManager, singles: list[SingleGenerateReq]) -> None:
+        self.tm = tm
+        self.singles = singles
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.buffer: list[tuple[int, dict[str, Any]]] = []
+        self.open = len(singles)
+        self.watcher: asyncio.Future | None = None
+
+    async def _pump(self, index: int, single: SingleGenerateReq) -> None:
+        try:
+            async with contextlib.aclosing(self.tm.generate(single)) as gen:
+                async for item in gen:
+                    self.queue.put_nowait((index, item, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self.queue.put_nowait((index, None, e))
+            return
+        self.queue.put_nowait((index, None, None))
+
+    async def start(self, request: Request | None = None, keep_watching: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._pump(i, s)) for i, s in enumerate(self.singles)]
+        if request is not None:
+            self.watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+        waiting = set(range(len(self.singles)))
+        try:
+            while waiting:
+                index, item, err = await self._get()
+                if err is not None:
+                    raise err
+                if item is None:  # ended without output: cannot happen, but never hang on it
+                    self.open -= 1
+                    waiting.discard(index)
+                    continue
+                refused = abort_error(item)
+                if refused is not None:
+                    raise refused
+                self.buffer.append((index, item))
+                waiting.discard(index)
+        except BaseException:
+            self.close()
+            raise
+        if not keep_watching and self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+    async def _get(self) -> tuple[int, dict[str, Any] | None, BaseException | None]:
+        if self.watcher is None:
+            return await self.queue.get()
+        getter = asyncio.ensure_future(self.queue.get())
+        try:
+            await asyncio.wait({getter, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        raise ClientGone()
+
+    async def items(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        buffered, self.buffer = self.buffer, []
+        for entry in buffered:
+            yield entry
+        while self.open:
+            index, item, err = await self._get()
+            if err is not None:
+                raise err
+            if item is None:
+                self.open -= 1
+                continue
+            yield index, item
+
+    async def collect(self) -> list[dict[str, Any]]:
+        """The last output of every request, by index (non-streaming)."""
+        finals: list[dict[str, Any] | None] = [None] * len(self.singles)
+        async for index, item in self.items():
+            finals[index] = item
+        missing = [i for i, f in enumerate(finals) if f is None]
+        if missing:
+            raise RuntimeError(f"requests {missing} ended without output")
+        return finals  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+
+async def run_to_completion(tm: TokenizerManager, singles: list[SingleGenerateReq],
+                            request: Request | None) -> list[dict[str, Any]]:
+    """Non-streaming: every request's final output; a refused request raises RequestError, a
+    disconnected client raises ClientGone (its requests are aborted)."""
+    fan = Fanout(tm, singles)
+    try:
+        await fan.start(request, keep_watching=True)
+        finals = await fan.collect()
+    finally:
+        fan.close()
+    for item in finals:
+        refused = abort_error(item)
+        if refused is not None:
+            raise refused
+    return finals
+
+
+async def start_stream(tm: TokenizerManager, singles: list[SingleGenerateReq],
+                       request: Request | None) -> Fanout:
+    """Streaming: a started Fanout (errors are raised here, before any byte is sent)."""
+    fan = Fanout(tm, singles)
+    await fan.start(request)
+    return fan
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI adapters
+
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def finish_of(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    reason = meta.get("finish_reason")
+    if not reason:
+        return None, None
+    return _FINISH.get(reason.get("type"), "stop"), reason.get("matched")
+
+
+def _token_bytes(text: str | None) -> list[int]:
+    return list((text or "").encode("utf-8", errors="replace"))
+
+
+class _LogprobCursor:
+    """What part of a request's cumulative logprobs a stream has already sent."""
+
+    def __init__(self) -> None:
+        self.prompt_sent = False
+        self.out_sent = 0
+
+    def take(self, meta: dict[str, Any], with_prompt: bool) -> tuple[list, list]:
+        entries: list = []
+        tops: list = []
+        if with_prompt and not self.prompt_sent:
+            ins = meta.get("input_token_logprobs") or []
+            entries += ins
+            tops += meta.get("input_top_logprobs") or [None] * len(ins)
+        self.prompt_sent = True
+        outs = meta.get("output_token_logprobs") or []
+        out_tops = meta.get("output_top_logprobs") or [None] * len(outs)
+        entries += outs[self.out_sent:]
+        tops += out_tops[self.out_sent:]
+        self.out_sent = len(outs)
+        return entries, tops
+
+
+def completion_logprobs(entries: list, tops: list, top_n: int, offset: int = 0
+                        ) -> CompletionLogprobs:
+    lp = CompletionLogprobs()
+    for (logprob, _tid, text), top in zip(entries, tops):
+        text = text or ""
+        lp.tokens.append(text)
+        lp.token_logprobs.append(logprob)
+        lp.top_logprobs.append(
+            {t_text or "": t_lp for t_lp, _t_id, t_text in top} if top_n and top else None)
+        lp.text_offset.append(offset)
+        offset += len(text)
+    return lp
+
+
+def chat_logprobs(entries: list, tops: list) -> ChatChoiceLogprobs:
+    content = []
+    for (logprob, _tid, text), top in zip(entries, tops):
+        content.append(ChatTokenLogprob(
+            token=text or "", logprob=logprob, bytes=_token_bytes(text),
+            top_logprobs=[TopLogprob(token=t or "", logprob=t_lp, bytes=_token_bytes(t))
+                          for t_lp, _t_id, t in (top or [])]))
+    return ChatChoiceLogprobs(content=content)
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, args: ServerArgs, info: dict[str, Any]) -> None:
+        self.tm = tm
+        self.args = args
+        self.info = info
+        self.model_name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
+        names = {self.model_name}
+        if args.model_path:
+            names |= {args.model_path, Path(args.model_path).name}
+        self.accepted_names = names
+        self.chat_template = self._resolve_chat_template()
+
+    # ---- models and templates ---------------------------------------------------------
+    def _resolve_chat_template(self) -> str | None:
+        config: dict[str, Any] = {}
+        model_dir = self.info.get("model_dir")
+        if model_dir:
+            with contextlib.suppress(OSError, ValueError):
+                config = json.loads((Path(model_dir) / "config.json").read_text())
+        own = self.info.get("chat_template") or getattr(self.tm.tokenizer, "chat_template", None)
+        return resolve_chat_template(
+            self.args.chat_template, own if isinstance(own, str) else None,
+            str(config.get("model_type") or ""), list(config.get("architectures") or []))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.accepted_names:
+            raise RequestError(
+                f"The model `{name}` does not exist; this server serves `{self.model_name}`", 404)
+
+    def models(self) -> dict[str, Any]:
+        card = ModelCard(id=self.model_name, root=self.args.model_path or self.model_name,
+                         max_model_len=self.tm.context_len)
+        return ModelList(data=[card]).model_dump()
+
+    def render_chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if self.chat_template is None:
+            raise RequestError(
+                "this model has no chat template and none is built in for its architecture; "
+                "start the server with --chat-template NAME|FILE or use /v1/completions")
+        tok = self.tm.tokenizer
+        try:
+            prompt = render_chat(self.chat_template, req.messages_as_dicts(),
+                                 add_generation_prompt=True, bos_token=tok.bos_token or "",
+                                 eos_token=tok.eos_token or "")
+        except ChatTemplateError as e:
+            raise RequestError(f"messages: {e}") from e
+        return tok(prompt, add_special_tokens=False).input_ids
+
+    # ---- /v1/completions --------------------------------------------------------------
+    async def completions(self, body: Any, request: Request | None) -> Response:
+        req = CompletionRequest.model_validate(body)
+        self.check_model(req.model)
+        prompt = req.prompt
+        is_text = isinstance(prompt, str) or isinstance(prompt[0], str)
+        want_lp = req.logprobs is not None
+        gen_in = GenerateReqInput(
+            **{"text" if is_text else "input_ids": prompt},
+            sampling_params=req.to_sampling_params(), stream=req.stream,
+            return_logprob=want_lp, logprob_start_len=0 if (want_lp and req.echo) else -1,
+            top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True)
+        singles = gen_in.normalize()
+        prompts_text = self._prompt_texts(gen_in) if req.echo else None
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            fan = await start_stream(self.tm, singles, request)
+            return SSEResponse(self._completion_stream(fan, req, singles, prompts_text, rid,
+                                                       created))
+        finals = await run_to_completion(self.tm, singles, request)
+        choices = []
+        for s, item in zip(singles, finals):
+            meta = item["meta_info"]
+            prefix = prompts_text[s.prompt_index] if prompts_text else ""
+            lp = None
+            if want_lp:
+                entries, tops = _LogprobCursor().take(meta, with_prompt=req.echo)
+                lp = completion_logprobs(entries, tops, req.logprobs or 0)
+            finish, matched = finish_of(meta)
+            choices.append(CompletionChoice(index=s.index, text=prefix + item["text"], logprobs=lp,
+                                            finish_reason=finish, matched_stop=matched))
+        resp = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                  usage=usage_of(singles, finals))
+        return json_response(resp.model_dump())
+
+    def _prompt_texts(self, gen_in: GenerateReqInput) -> list[str]:
+        if gen_in.text is not None:
+            return list(gen_in.text) if isinstance(gen_in.text, list) else [gen_in.text]
+        ids = gen_in.input_ids if gen_in.is_batch else [gen_in.input_ids]
+        return [self.tm.tokenizer.decode(p) for p in ids]  # type: ignore[union-attr]
+
+    async def _completion_stream(self, fan: Fanout, req: CompletionRequest,
+                                 singles: list[SingleGenerateReq], prompts_text: list[str] | None,
+                                 rid: str, created: int) -> AsyncIterator[bytes]:
+        cursors = [_LogprobCursor() for _ in singles]
+        offsets = [0] * len(singles)
+        finals: list[dict[str, Any] | None] = [None] * len(singles)
+        want_lp = req.logprobs is not None
+        try:
+            async for index, item in fan.items():
+                s, meta = singles[index], item["meta_info"]
+                text = item["text_delta"]
+                if prompts_text is not None and not cursors[index].prompt_sent:
+                    text = prompts_text[s.prompt_index] + text
+                lp = None
+                if want_lp:
+                    entries, tops = cursors[index].take(meta, with_prompt=req.echo)
+                    lp = completion_logprobs(entries, tops, req.logprobs or 0, offsets[index])
+                    offsets[index] += sum(len(t) for t in lp.tokens)
+                else:
+                    cursors[index].prompt_sent = True
+                finish, matched = finish_of(meta)
+                finals[index] = item
+                if not text and finish is None and not (lp and lp.tokens):
+                    continue
+                chunk = CompletionStreamResponse(
+                    id=rid, created=created, model=self.model_name,
+                    choices=[CompletionChoice(index=s.index, text=text, logprobs=lp,
+                                              finish_reason=finish, matched_stop=matched)])
+                yield sse(_without_null_usage(chunk))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                chunk = CompletionStreamResponse(id=rid, created=created, model=self.model_name,
+                                                 choices=[], usage=usage_of(singles, finals))
+                yield sse(chunk)
+            yield SSE_DONE
+        finally:
+            fan.close()
+
+    # ---- /v1/chat/completions ---------------------------------------------------------
+    async def chat(self, body: Any, request: Request | None) -> Response:
+        req = ChatCompletionRequest.model_validate(body)
+        self.check_model(req.model)
+        ids = self.render_chat_prompt(req)
+        gen_in = GenerateReqInput(
+            input_ids=ids, sampling_params=req.to_sampling_params(), stream=req.stream,
+            return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+            return_text_in_logprobs=True)
+        singles = gen_in.normalize()
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            fan = await start_stream(self.tm, singles, request)
+            return SSEResponse(self._chat_stream(fan, req, singles, rid, created))
+        finals = await run_to_completion(self.tm, singles, request)
+        choices = []
+        for s, item in zip(singles, finals):
+            meta = item["meta_info"]
+            lp = None
+            if req.logprobs:
+                lp = chat_logprobs(*_LogprobCursor().take(meta, with_prompt=False))
+            finish, matched = finish_of(meta)
+            choices.append(ChatCompletionChoice(
+                index=s.index, message=ChatResponseMessage(content=item["text"]), logprobs=lp,
+                finish_reason=finish, matched_stop=matched))
+        resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name,
+                                      choices=choices, usage=usage_of(singles, finals))
+        return json_response(resp.model_dump())
+
+    async def _chat_stream(self, fan: Fanout, req: ChatCompletionRequest,
+                           singles: list[SingleGenerateReq], rid: str, created: int
+                           ) -> AsyncIterator[bytes]:
+        cursors = [_LogprobCursor() for _ in singles]
+        started = [False] * len(singles)
+        finals: list[dict[str, Any] | None] = [None] * len(singles)
+
+        def chunk(choice: ChatCompletionStreamChoice) -> bytes:
+            return sse(_without_null_usage(ChatCompletionStreamResponse(
+                id=rid, created=created, model=self.model_name, choices=[choice])))
+
+        try:
+            async for index, item in fan.items():
+                s, meta = singles[index], item["meta_info"]
+                finals[index] = item
+                if not started[index]:
+                    started[index] = True
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=s.index, delta=DeltaMessage(role="assistant", content="")))
+                lp = None
+                if req.logprobs:
+                    lp = chat_logprobs(*cursors[index].take(meta, with_prompt=False))
+                text = item["text_delta"]
+                if text or (lp and lp.content):
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=s.index, delta=DeltaMessage(content=text), logprobs=lp))
+                finish, matched = finish_of(meta)
+                if finish is not None:
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=s.index, delta=DeltaMessage(), finish_reason=finish,
+                        matched_stop=matched))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield sse(ChatCompletionStreamResponse(
+                    id=rid, created=created, model=self.model_name, choices=[],
+                    usage=usage_of(singles, finals)))
+            yield SSE_DONE
+        finally:
+            fan.close()
+
+
+def _without_null_usage(chunk: Any) -> dict[str, Any]:
+    """A stream chunk as OpenAI sends it: no usage key until the usage chunk, and a chat delta
+    holds only the fields it sets."""
+    data = chunk.model_dump()
+    if data.get("usage") is None:
+        data.pop("usage", None)
+    for choice in data["choices"]:
+        delta = choice.get("delta")
+        if delta is not None:
+            choice["delta"] = {k: v for k, v in delta.items() if v is not None}
+    return data
+
+
+def usage_of(singles: Iterable[SingleGenerateReq], finals: Iterable[dict[str, Any] | None]
+             ) -> UsageInfo:
+    """Prompt tokens once per prompt (not per sample, as OpenAI counts), completion tokens of all."""
+    prompt = completion = 0
+    for s, item in zip(singles, finals):
+        if item is None:
+            continue
+        meta = item["meta_info"]
+        if s.sample_index == 0:
+            prompt += meta.get("prompt_tokens") or 0
+        completion += meta.get("completion_tokens") or 0
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
