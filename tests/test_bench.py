@@ -1,0 +1,207 @@
+"""Benchmarks: datasets, metrics, one_batch on a tiny model, the serving client against a server.
+
+Nothing here times anything: the assertions are about counts and arithmetic, never speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lockstep.bench.datasets import (
+    load_tokenizer,
+    sample_generated_shared_prefix_requests,
+    sample_random_requests,
+)
+from lockstep.bench.serving import RequestOutput, calculate_metrics, request_intervals
+from lockstep.testing.tiny_models import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama() -> Path:
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path):
+    return load_tokenizer(str(tiny_llama))
+
+
+# ---- datasets --------------------------------------------------------------------------------
+
+
+def test_random_dataset_is_deterministic_and_exact(tokenizer) -> None:
+    a = sample_random_requests(tokenizer, 12, 64, 16, range_ratio=1.0, seed=7)
+    b = sample_random_requests(tokenizer, 12, 64, 16, range_ratio=1.0, seed=7)
+    c = sample_random_requests(tokenizer, 12, 64, 16, range_ratio=1.0, seed=8)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    assert [r.prompt for r in a] != [r.prompt for r in c]
+    assert len({r.prompt for r in a}) == 12
+    for r in a:
+        assert r.output_len == 16
+        assert r.prompt_len == 64
+        assert len(tokenizer(r.prompt).input_ids) == 64  # what the server will count
+
+
+def test_random_dataset_range_ratio(tokenizer) -> None:
+    rows = sample_random_requests(tokenizer, 40, 50, 20, range_ratio=0.5, seed=1)
+    assert all(25 <= r.prompt_len <= 50 and 10 <= r.output_len <= 20 for r in rows)
+    assert len({r.prompt_len for r in rows}) > 5
+    for r in rows:
+        assert len(tokenizer(r.prompt).input_ids) == r.prompt_len
+
+
+def test_shared_prefix_dataset(tokenizer) -> None:
+    rows = sample_generated_shared_prefix_requests(tokenizer, 3, 4, 96, 12, 8, seed=2)
+    again = sample_generated_shared_prefix_requests(tokenizer, 3, 4, 96, 12, 8, seed=2)
+    assert [r.prompt for r in rows] == [r.prompt for r in again]
+    assert len(rows) == 12 and len({r.prompt for r in rows}) == 12
+    assert sorted(r.group for r in rows) == sorted([0, 1, 2] * 4)
+    assert [r.group for r in rows] != sorted(r.group for r in rows)  # shuffled
+    for g in range(3):
+        ids = [r.input_ids for r in rows if r.group == g]
+        prefix = ids[0][:96]
+        assert all(x[:96] == prefix for x in ids)  # the system prompt is a shared token prefix
+    others = [r.input_ids[:96] for r in rows if r.group != rows[0].group]
+    assert all(o != rows[0].input_ids[:96] for o in others)
+    for r in rows:
+        assert r.output_len == 8
+        assert abs(r.prompt_len - (96 + 12)) <= 1
+        assert len(tokenizer(r.prompt).input_ids) == r.prompt_len
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def test_metrics_hand_computed() -> None:
+    outs = [
+        RequestOutput(success=True, prompt_len=10, output_len=5, ttft=0.1, latency=0.5,
+                      itl=[0.1, 0.1, 0.1, 0.1]),
+        RequestOutput(success=True, prompt_len=20, output_len=3, ttft=0.2, latency=0.6,
+                      itl=[0.2, 0.2]),
+        RequestOutput(success=False, prompt_len=30, error="boom"),
+    ]
+    m = calculate_metrics(outs, duration_s=2.0)
+    assert (m.completed, m.failed) == (2, 1)
+    assert (m.total_input, m.total_output) == (30, 8)
+    assert m.request_throughput == pytest.approx(1.0)
+    assert m.input_throughput == pytest.approx(15.0)
+    assert m.output_throughput == pytest.approx(4.0)
+    assert m.total_throughput == pytest.approx(19.0)
+    assert m.concurrency == pytest.approx(0.55)  # (0.5 + 0.6) / 2
+    assert m.mean_ttft_ms == pytest.approx(150.0)
+    assert m.median_ttft_ms == pytest.approx(150.0)
+    assert m.p99_ttft_ms == pytest.approx(199.0)  # linear interpolation between 100 and 200
+    # TPOT: (0.5 - 0.1) / 4 = 100 ms and (0.6 - 0.2) / 2 = 200 ms
+    assert m.mean_tpot_ms == pytest.approx(150.0)
+    # ITL: four of 100 ms, two of 200 ms
+    assert m.mean_itl_ms == pytest.approx(800 / 6)
+    assert m.median_itl_ms == pytest.approx(100.0)
+    assert m.max_itl_ms == pytest.approx(200.0)
+    assert m.mean_e2e_latency_ms == pytest.approx(550.0)
+    assert m.median_e2e_latency_ms == pytest.approx(550.0)
+
+
+def test_metrics_all_failed_is_not_a_crash() -> None:
+    m = calculate_metrics([RequestOutput(error="x")], duration_s=1.0)
+    assert (m.completed, m.failed, m.total_output, m.mean_ttft_ms) == (0, 1, 0, 0.0)
+
+
+def test_poisson_intervals() -> None:
+    assert request_intervals(5, float("inf"), 0) == [0.0] * 5
+    gaps = request_intervals(2000, 4.0, 0)
+    assert gaps == request_intervals(2000, 4.0, 0)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)
+
+
+# ---- one_batch -------------------------------------------------------------------------------
+
+
+def test_one_batch_on_tiny_model(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    from lockstep.bench import one_batch
+
+    out = tmp_path / "r.jsonl"
+    rc = one_batch.main(["--model-path", str(tiny_llama), "--batch-size", "1", "2",
+                         "--input-len", "12", "--output-len", "4", "--hf-batch-sizes", "1", "2",
+                         "--dtype", "float32", "--result-file", str(out)])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["engine"], r["batch_size"]) for r in rows] == [
+        ("lockstep", 1), ("lockstep", 2), ("hf", 1), ("hf", 2)]
+    for r in rows:
+        assert (r["input_len"], r["output_len"]) == (12, 4)
+        assert r["prefill_s"] > 0 and r["decode_step_s"] > 0 and r["total_s"] >= r["prefill_s"]
+    text = capsys.readouterr().out
+    assert "decode tok/s" in text and "lockstep/HF" in text
+
+
+# ---- serving client against a live server ------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server did not become healthy")
+
+
+@pytest.mark.skipif(not (REPO / "lockstep/entrypoints/http_server.py").exists(),
+                    reason="no HTTP server yet")
+@pytest.mark.parametrize("backend", ["lockstep", "openai"])
+def test_serving_client_against_live_server(tiny_llama: Path, tmp_path: Path, backend: str) -> None:
+    from lockstep.bench import serving
+
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lockstep.launch_server", "--model-path", str(tiny_llama),
+         "--port", str(port), "--max-total-tokens", "4096", "--dtype", "float32"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        out = tmp_path / "serving.jsonl"
+        rc = serving.main(["--backend", backend, "--port", str(port), "--tokenizer", str(tiny_llama),
+                           "--num-prompts", "8", "--random-input-len", "24",
+                           "--random-output-len", "6", "--random-range-ratio", "1",
+                           "--max-concurrency", "4", "--ignore-eos", "--disable-tqdm",
+                           "--output-file", str(out)])
+        record = json.loads(out.read_text().splitlines()[-1])
+        assert rc == 0
+        assert (record["completed"], record["failed"]) == (8, 0)
+        assert record["total_output"] == 8 * 6  # ignore_eos: exactly the requested lengths
+        assert record["total_input"] == 8 * 24
+        assert record["mean_ttft_ms"] > 0 and record["mean_itl_ms"] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
