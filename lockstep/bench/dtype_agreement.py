@@ -1,0 +1,141 @@
+"""bfloat16 vs float32: top-1 agreement of greedy decoding on the same model.
+
+    python -m lockstep.bench.dtype_agreement --num-prompts 20 --output-len 32
+
+Runs the serving path in-process (``create_scheduler``, as a scheduler process does) once per
+dtype. float32 first decodes every prompt greedily. Then both dtypes are teacher-forced on those
+float32 continuations (prompt logprobs with top-2 over prompt + continuation), so every one of the
+``num_prompts x output_len`` positions is compared on the same context:
+
+* top-1 agreement: bf16's argmax equals float32's greedy token at that position;
+* free-running: bf16 decoding on its own, how many continuations equal float32's token for token
+  and where the first difference falls;
+* at each disagreement, float32's own margin between its top-1 and top-2 logprobs (near-ties are
+  where bf16 rounding is expected to flip the argmax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def _scheduler(model_path: str | None, dtype: str, max_tokens: int, n: int) -> Any:
+    from lockstep.managers.scheduler import create_scheduler
+    from lockstep.server_args import ServerArgs
+
+    return create_scheduler(ServerArgs(model_path=model_path, dtype=dtype, max_total_tokens=max_tokens,
+                                       max_running_requests=n, disable_radix_cache=True))
+
+
+def _drain(sched: Any, reqs: list[Any]) -> dict[str, dict[str, list]]:
+    res: dict[str, dict[str, list]] = {r.rid: {"out": [], "top": []} for r in reqs}
+    msgs = reqs
+    while True:
+        for o in sched.step(msgs):
+            res[o.rid]["out"].extend(o.new_token_ids)
+            res[o.rid]["top"].extend(o.input_top_logprobs)
+        msgs = []
+        if sched.is_idle():
+            return res
+
+
+def greedy(sched: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from lockstep.testing.inproc import greedy_req
+
+    res = _drain(sched, [greedy_req(f"g{i}", p, n) for i, p in enumerate(prompts)])
+    return [res[f"g{i}"]["out"] for i in range(len(prompts))]
+
+
+def teacher_forced_top(sched: Any, prompts: list[list[int]], conts: list[list[int]]
+                       ) -> list[list[list[tuple[float, int]]]]:
+    """Per prompt, per continuation position: the model's top-2 (logprob, id) at that position."""
+    from lockstep.testing.inproc import greedy_req
+
+    reqs = []
+    for i, (p, c) in enumerate(zip(prompts, conts)):
+        reqs.append(greedy_req(f"t{i}", p + c, 1, return_logprob=True,
+                               logprob_start_len=len(p) - 1, top_logprobs_num=2))
+    res = _drain(sched, reqs)
+    out = []
+    for i, c in enumerate(conts):
+        tops = [t for t in res[f"t{i}"]["top"] if t]  # entry 0 (the first prompt token) is empty
+        # rows predict tokens len(p) .. len(p)+len(c)-1: the continuation; the last row of the
+        # input predicts the token after the continuation, which is not compared.
+        out.append(tops[: len(c)])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lockstep bench dtype_agreement", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16", help="The dtype compared against float32.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", default=None)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from lockstep.bench.datasets import load_tokenizer, sample_random_requests
+    from lockstep.model_loader import resolve_model
+
+    source = resolve_model(args.model_path)
+    tok = load_tokenizer(str(source.model_dir))
+    rows = sample_random_requests(tok, args.num_prompts, args.input_len, 1, range_ratio=0.5,
+                                  seed=args.seed)
+    prompts = [list(r.input_ids) for r in rows]
+    budget = args.num_prompts * (args.input_len + 2 * args.output_len + 2) + 256
+
+    t = time.perf_counter()
+    f32 = _scheduler(args.model_path, "float32", budget, args.num_prompts)
+    ref = greedy(f32, prompts, args.output_len)
+    ref_top = teacher_forced_top(f32, prompts, ref)
+    del f32
+    low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts)
+    free = greedy(low, prompts, args.output_len)
+    low_top = teacher_forced_top(low, prompts, ref)
+    del low
+    elapsed = time.perf_counter() - t
+
+    total = agree = self_agree = 0
+    margins_at_flip: list[float] = []
+    for c, rt, lt in zip(ref, ref_top, low_top):
+        for pos, tok_id in enumerate(c):
+            total += 1
+            self_agree += rt[pos][0][1] == tok_id
+            if lt[pos][0][1] == tok_id:
+                agree += 1
+            else:
+                margins_at_flip.append(rt[pos][0][0] - rt[pos][1][0])
+    identical = sum(a == b for a, b in zip(ref, free))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                  for a, b in zip(ref, free)]
+    diverged = [d for d in first_diff if d is not None]
+    print(f"model {source.origin}; {args.num_prompts} prompts of {args.input_len // 2}-{args.input_len} "
+          f"tokens x {args.output_len} greedy tokens; {args.dtype} vs float32 ({elapsed:.0f} s)")
+    print(f"  teacher-forced top-1 agreement: {agree}/{total} = {100 * agree / total:.1f}%")
+    print(f"  float32 teacher-forced vs float32 greedy (sanity): {self_agree}/{total}")
+    print(f"  free-running: {identical}/{len(ref)} continuations identical; first difference at "
+          f"token {sorted(diverged)} of the others")
+    if margins_at_flip:
+        print(f"  float32 top-1 - top-2 logprob margin where {args.dtype} flips: median "
+              f"{statistics.median(margins_at_flip):.3f}, max {max(margins_at_flip):.3f}")
+    if args.result_file:
+        with open(args.result_file, "a") as f:
+            f.write(json.dumps({"bench": "dtype_agreement", "dtype": args.dtype,
+                                "num_prompts": args.num_prompts, "output_len": args.output_len,
+                                "agree": agree, "total": total, "identical": identical,
+                                "first_diff": first_diff, "flip_margins": margins_at_flip,
+                                "torch": torch.__version__}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
