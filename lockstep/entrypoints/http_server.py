@@ -359,7 +359,9 @@ def create_app(launched: Launched) -> FastAPI:
     @app.get("/get_model_info")
     async def get_model_info() -> Response:
         return json_response({
-            "model_path": args.model_path, "served_model_name": openai.model_name,
+            # SGLang's frontend picks a chat template by this name, so never send null.
+            "model_path": args.model_path or openai.model_name,
+            "served_model_name": openai.model_name,
             "tokenizer_path": args.tokenizer_path or launched.info.get("model_dir"),
             "model_dir": launched.info.get("model_dir"), "is_generation": True,
             "context_len": tm.context_len, "vocab_size": tm.vocab_size,
