@@ -201,6 +201,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[1, 8],
                    help="Batch sizes to run through HF transformers generate (none: skip HF).")
+    p.add_argument("--hf-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype for HF transformers (default: --dtype).")
     p.add_argument("--no-hf", action="store_true", help="Skip HF transformers.")
     p.add_argument("--warmup", type=int, default=1, help="Warm-up runs (batch 1, 4 tokens).")
     p.add_argument("--repeat", type=int, default=1, help="Runs per batch size; the best is kept.")
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_sizes = [] if args.no_hf else (args.hf_batch_sizes or [])
     if hf_sizes:
         del bench
-        hf = HFBench(str(source.model_dir), _resolve_dtype(args.dtype))
+        hf = HFBench(str(source.model_dir), _resolve_dtype(args.hf_dtype or args.dtype))
         hf.run(prompts[:1], min(4, args.output_len))  # warm-up
         for bs in hf_sizes:
             r = best(hf, bs)
