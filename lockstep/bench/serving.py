@@ -315,11 +315,16 @@ async def benchmark(args: argparse.Namespace, rows: list[Any], tokenizer: Any,
     import aiohttp
     from tqdm.asyncio import tqdm
 
+    from lockstep.bench.datasets import DatasetRow, corpus_text_of_len
+
     base = args.base_url.rstrip("/") if args.base_url else f"http://{args.host}:{args.port}"
     native = args.backend in NATIVE_BACKENDS
     url = base + ("/generate" if native else "/v1/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     extra = json.loads(args.extra_request_body) if args.extra_request_body else {}
+    text, n = corpus_text_of_len(tokenizer, random.Random(f"warmup-{args.seed}"),
+                                 min(64, rows[0].prompt_len))
+    warmup = DatasetRow(text, n, rows[0].output_len)
 
     def make(row: Any, output_len: int | None = None) -> RequestInput:
         return RequestInput(row.prompt, row.prompt_len,
@@ -335,7 +340,8 @@ async def benchmark(args: argparse.Namespace, rows: list[Any], tokenizer: Any,
             return await request_openai(session, url, req, headers, t_origin, tokenizer)
 
         for _ in range(args.warmup_requests):
-            w = await send(make(rows[0], min(rows[0].output_len, 16)), time.perf_counter())
+            # A prompt outside the dataset: a warm-up must not seed the server's prefix cache.
+            w = await send(make(warmup, min(rows[0].output_len, 16)), time.perf_counter())
             if not w.success:
                 raise RuntimeError(f"warm-up request failed: {w.error}")
         if args.flush_cache and native:
