@@ -171,32 +171,25 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> N
     raise TimeoutError("server did not become healthy")
 
 
-@pytest.mark.skipif(not (REPO / "lockstep/entrypoints/http_server.py").exists(),
-                    reason="no HTTP server yet")
-@pytest.mark.parametrize("backend", ["lockstep", "openai"])
-def test_serving_client_against_live_server(tiny_llama: Path, tmp_path: Path, backend: str) -> None:
-    from lockstep.bench import serving
-
+@pytest.fixture(scope="module")
+def live_server(tiny_llama: Path, tmp_path_factory):
+    """`python -m lockstep.launch_server` on the tiny model and a free port; ended by PID."""
+    if not (REPO / "lockstep/entrypoints/http_server.py").exists():
+        pytest.skip("no HTTP server yet")
     port = _free_port()
-    log = open(tmp_path / "server.log", "w")
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "lockstep.launch_server", "--model-path", str(tiny_llama),
          "--port", str(port), "--max-total-tokens", "4096", "--dtype", "float32"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc)
-        out = tmp_path / "serving.jsonl"
-        rc = serving.main(["--backend", backend, "--port", str(port), "--tokenizer", str(tiny_llama),
-                           "--num-prompts", "8", "--random-input-len", "24",
-                           "--random-output-len", "6", "--random-range-ratio", "1",
-                           "--max-concurrency", "4", "--ignore-eos", "--disable-tqdm",
-                           "--output-file", str(out)])
-        record = json.loads(out.read_text().splitlines()[-1])
-        assert rc == 0
-        assert (record["completed"], record["failed"]) == (8, 0)
-        assert record["total_output"] == 8 * 6  # ignore_eos: exactly the requested lengths
-        assert record["total_input"] == 8 * 24
-        assert record["mean_ttft_ms"] > 0 and record["mean_itl_ms"] > 0
+        try:
+            _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        except Exception:
+            log.flush()
+            raise RuntimeError(f"server failed to start:\n{log_path.read_text()[-3000:]}") from None
+        yield port
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -205,3 +198,22 @@ def test_serving_client_against_live_server(tiny_llama: Path, tmp_path: Path, ba
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.mark.parametrize("backend", ["lockstep", "openai"])
+def test_serving_client_against_live_server(live_server: int, tiny_llama: Path, tmp_path: Path,
+                                            backend: str) -> None:
+    from lockstep.bench import serving
+
+    out = tmp_path / "serving.jsonl"
+    rc = serving.main(["--backend", backend, "--port", str(live_server), "--tokenizer", str(tiny_llama),
+                       "--num-prompts", "8", "--random-input-len", "24",
+                       "--random-output-len", "6", "--random-range-ratio", "1",
+                       "--max-concurrency", "4", "--ignore-eos", "--disable-tqdm",
+                       "--output-file", str(out)])
+    record = json.loads(out.read_text().splitlines()[-1])
+    assert rc == 0
+    assert (record["completed"], record["failed"]) == (8, 0)
+    assert record["total_output"] == 8 * 6  # ignore_eos: exactly the requested lengths
+    assert record["total_input"] == 8 * 24
+    assert record["mean_ttft_ms"] > 0 and record["mean_itl_ms"] > 0
