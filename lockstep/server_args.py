@@ -65,6 +65,12 @@ class ServerArgs:
     pp_size: int = 1
     dp_size: int = 1
     load_balance_method: str = field(default="round_robin", metadata={"choices": list(LOAD_BALANCE_METHODS)})
+    dp_cache_threshold: float = field(
+        default=0.5, metadata={"help": "cache_aware: prefix match rate above which affinity wins."})
+    dp_balance_abs_threshold: int = field(
+        default=32, metadata={"help": "cache_aware: load gap (requests) past which the least-loaded replica wins."})
+    dp_balance_rel_threshold: float = field(
+        default=1.0001, metadata={"help": "cache_aware: ... and the max/min load ratio past which it wins."})
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = field(default=None, metadata={"help": "HOST:PORT of node 0 for torch.distributed."})
@@ -78,6 +84,8 @@ class ServerArgs:
             problems.append("--node-rank must be in [0, nnodes)")
         if (self.tp_size * self.pp_size) % self.nnodes:
             problems.append("--nnodes must divide tp_size * pp_size")
+        if self.dp_size > 1 and self.nnodes > 1:
+            problems.append("--dp-size > 1 runs on one node; use the router across nodes")
         if self.nnodes > 1 and not self.dist_init_addr:
             problems.append("--dist-init-addr is required with --nnodes > 1")
         if not 0 < self.mem_fraction_static < 1:
@@ -121,6 +129,7 @@ class PortArgs:
     scheduler_input_ipc: str  # tokenizer manager (or DP controller) -> scheduler rank 0
     detokenizer_ipc: str  # scheduler -> detokenizer
     dist_init_addr: str  # host:port for torch.distributed
+    dp_load_ipc: str = ""  # replica schedulers -> DP controller load reports
 
     @staticmethod
     def new(args: ServerArgs) -> PortArgs:
@@ -131,4 +140,13 @@ class PortArgs:
 
         base = f"ipc://{tempfile.gettempdir()}/lockstep-{uuid.uuid4().hex[:12]}"
         dist = args.dist_init_addr or f"127.0.0.1:{free_port()}"
-        return PortArgs(f"{base}-tok", f"{base}-sched", f"{base}-detok", dist)
+        return PortArgs(f"{base}-tok", f"{base}-sched", f"{base}-detok", dist, f"{base}-load")
+
+    def for_replica(self, dp_rank: int) -> PortArgs:
+        """A replica's own input socket and torch.distributed rendezvous."""
+        import dataclasses
+
+        from lockstep.utils.process import free_port
+
+        return dataclasses.replace(self, scheduler_input_ipc=f"{self.scheduler_input_ipc}-dp{dp_rank}",
+                                   dist_init_addr=f"127.0.0.1:{free_port()}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 ARCH_BY_MODEL_TYPE = {
     "llama": "llama",
@@ -42,11 +42,11 @@ class ModelConfig:
     hidden_act: str
     rope_global: RopeConfig
     # Per-layer sliding window (None = full attention); Gemma 3 interleaves both.
-    layer_windows: tuple[Optional[int], ...]
-    rope_local: Optional[RopeConfig] = None
-    query_pre_attn_scalar: Optional[float] = None
-    final_logit_softcapping: Optional[float] = None
-    attn_logit_softcapping: Optional[float] = None
+    layer_windows: tuple[int | None, ...]
+    rope_local: RopeConfig | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @property
@@ -54,7 +54,7 @@ class ModelConfig:
         return self.arch == "gemma3"
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg
         model_type = cfg.get("model_type", "")
         if model_type not in ARCH_BY_MODEL_TYPE:
@@ -105,7 +105,7 @@ def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:
     )
 
 
-def _rope_configs(cfg: dict[str, Any], arch: str) -> tuple[RopeConfig, Optional[RopeConfig]]:
+def _rope_configs(cfg: dict[str, Any], arch: str) -> tuple[RopeConfig, RopeConfig | None]:
     params = cfg.get("rope_parameters")
     if arch == "gemma3":
         if params and "full_attention" in params:
@@ -120,7 +120,7 @@ def _rope_configs(cfg: dict[str, Any], arch: str) -> tuple[RopeConfig, Optional[
     return _rope(scaling, 1e4), None
 
 
-def _layer_windows(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[Optional[int], ...]:
+def _layer_windows(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     if arch == "gemma3":
         types = cfg.get("layer_types")

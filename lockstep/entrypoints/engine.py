@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.managers.data_parallel_controller import run_data_parallel_controller
 from lockstep.managers.detokenizer_manager import load_tokenizer, run_detokenizer_process
 from lockstep.managers.scheduler_process import run_scheduler_process
 from lockstep.managers.tokenizer_manager import TokenizerManager
@@ -66,7 +67,7 @@ class Launched:
 
 
 def _threads_per_rank(args: ServerArgs) -> int:
-    local = args.tp_size * args.pp_size // args.nnodes
+    local = args.tp_size * args.pp_size * args.dp_size // args.nnodes
     return max(1, (os.cpu_count() or 1) // local)
 
 
@@ -79,11 +80,21 @@ def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
     per_node = args.tp_size * args.pp_size // args.nnodes
     first = args.node_rank * per_node
     threads = _threads_per_rank(args)
-    for global_rank in range(first, first + per_node):
-        pp_rank, tp_rank = divmod(global_rank, args.tp_size)
+    replica_ports = [ports.for_replica(i) for i in range(args.dp_size)] if args.dp_size > 1 else [ports]
+    for dp_rank, rports in enumerate(replica_ports):
+        for global_rank in range(first, first + per_node):
+            pp_rank, tp_rank = divmod(global_rank, args.tp_size)
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=run_scheduler_process,
+                            name=f"scheduler-DP{dp_rank}-TP{tp_rank}-PP{pp_rank}",
+                            args=(args, rports, tp_rank, pp_rank, threads, writer, dp_rank))
+            p.start()
+            children.append(p)
+            pipes.append((p, reader))
+    if args.dp_size > 1:
         reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=run_scheduler_process, name=f"scheduler-TP{tp_rank}-PP{pp_rank}",
-                        args=(args, ports, tp_rank, pp_rank, threads, writer), daemon=False)
+        p = ctx.Process(target=run_data_parallel_controller, name="data-parallel-controller",
+                        args=(args, ports, [r.scheduler_input_ipc for r in replica_ports], writer))
         p.start()
         children.append(p)
         pipes.append((p, reader))
@@ -100,7 +111,8 @@ def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
     except BaseException:
         launched.shutdown()
         raise
-    info = infos[0]
+    info = dict(infos[0])
+    info["ranks"] = [i for i in infos if "tp_rank" in i]
     launched.info = info
     if args.node_rank == 0:
         tokenizer = load_tokenizer(args)

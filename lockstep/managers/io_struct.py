@@ -75,6 +75,7 @@ class ReqOutput:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    dp_rank: int = 0  # which data-parallel replica served it
     # The detokenizer needs the stop strings and special-token settings.
     sampling_params: SamplingParams | None = None
     # Filled in by the detokenizer.

@@ -80,7 +80,8 @@ class Scheduler:
         self.control_replies: list[Any] = []
         # Called with (step, fingerprint) before each step's batch runs; the lockstep check.
         self.before_run: Callable[[int, str], None] | None = None
-        self.perturb = False  # fault injection for the lockstep check's own test
+        self.perturb = False
+        self.dp_rank = 0  # fault injection for the lockstep check's own test
 
     # ---- inputs -------------------------------------------------------------------------
     def process_inputs(self, msgs: Iterable[Any]) -> None:
@@ -158,6 +159,12 @@ class Scheduler:
     def take_outputs(self) -> list[ReqOutput]:
         out, self._pending = self._pending, []
         return out
+
+    def load(self) -> tuple[int, int, int]:
+        """(running, queued, KV tokens in use) for the DP controller's dispatch."""
+        used = self.max_total_tokens - self.allocator.available_size() - self.tree.evictable_size()
+        running = len(self.running) + (1 if self.chunked_req else 0)
+        return running, len(self.waiting), used
 
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked_req)
@@ -388,7 +395,7 @@ class Scheduler:
             cached_tokens=req.cached_tokens,
             output_token_logprobs=req.out_logprobs, output_top_logprobs=req.out_top_logprobs,
             input_token_logprobs=req.in_logprobs, input_top_logprobs=req.in_top_logprobs,
-            sampling_params=req.sampling_params,
+            sampling_params=req.sampling_params, dp_rank=self.dp_rank,
         ))
         req.out_logprobs, req.out_top_logprobs, req.in_logprobs, req.in_top_logprobs = [], [], [], []
 

@@ -22,7 +22,7 @@ from lockstep.distributed.communication import (
     make_tp_group,
 )
 from lockstep.distributed.parallel_state import ParallelGroup
-from lockstep.managers.io_struct import BatchTokenIDOut, decode, encode
+from lockstep.managers.io_struct import BatchTokenIDOut, LoadReport, decode, encode
 from lockstep.managers.scheduler import Scheduler, create_scheduler
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
@@ -38,10 +38,12 @@ class LockstepError(RuntimeError):
 
 
 def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_rank: int,
-                          threads: int, pipe: Connection) -> None:
+                          threads: int, pipe: Connection, dp_rank: int = 0) -> None:
     die_with_parent()
-    set_title(f"lockstep::scheduler TP{tp_rank}" + (f" PP{pp_rank}" if args.pp_size > 1 else ""))
-    configure_logging(args.log_level, f"TP{tp_rank}")
+    name = (f"DP{dp_rank} " if args.dp_size > 1 else "") + f"TP{tp_rank}" + (
+        f" PP{pp_rank}" if args.pp_size > 1 else "")
+    set_title(f"lockstep::scheduler {name}")
+    configure_logging(args.log_level, name)
     torch.set_num_threads(threads)
     try:
         world = args.tp_size * args.pp_size
@@ -49,27 +51,42 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
             init_distributed(ports.dist_init_addr, world, pp_rank * args.tp_size + tp_rank, args.device)
         tp = make_tp_group(args.tp_size, tp_rank, pp_rank, args.device)
         local_ranks = max(1, world // args.nnodes)
-        sched = create_scheduler(args, tp, local_ranks=local_ranks)
+        sched = create_scheduler(args, tp, local_ranks=local_ranks * args.dp_size)
+        sched.dp_rank = dp_rank
         ctx = zmq.Context()
-        recv = send = None
+        recv = send = load = None
         if tp_rank == 0:
             recv = ctx.socket(zmq.PULL)
             recv.bind(ports.scheduler_input_ipc)
             send = ctx.socket(zmq.PUSH)
             send.connect(ports.detokenizer_ipc)
+            if args.dp_size > 1:
+                load = ctx.socket(zmq.PUSH)
+                load.connect(ports.dp_load_ipc)
     except Exception as e:  # noqa: BLE001 - any startup failure is reported to the launcher
         logger.error("scheduler TP%d failed to start:\n%s", tp_rank, traceback.format_exc())
         pipe.send({"status": "error", "message": f"scheduler TP{tp_rank}: {type(e).__name__}: {e}"})
         sys.exit(1)
     pipe.send({"status": "ready", "max_total_num_tokens": sched.max_total_tokens,
-               "context_len": sched.context_len})
+               "context_len": sched.context_len, "tp_rank": tp_rank, "pp_rank": pp_rank,
+               "param_bytes": parameter_bytes(sched.worker.runner.model)})
     try:
-        event_loop(args, sched, tp, recv, send)
+        event_loop(args, sched, tp, recv, send, load)
     except Exception:  # noqa: BLE001
         logger.error("scheduler TP%d crashed:\n%s", tp_rank, traceback.format_exc())
         # Bring the whole server down loudly, as SGLang does with SIGQUIT to the parent.
         os.kill(os.getppid(), signal.SIGQUIT)
         sys.exit(1)
+
+
+def parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """This rank's own parameter bytes: what TP sharding is measured by."""
+    out: dict[str, int] = {"total": 0}
+    for name, p in model.named_parameters():
+        kind = name.split(".")[-2] if "layers." in name else name.split(".")[0]
+        out[kind] = out.get(kind, 0) + p.numel() * p.element_size()
+        out["total"] += p.numel() * p.element_size()
+    return out
 
 
 def recv_requests(sock: zmq.Socket | None, block: bool) -> list[Any]:
@@ -86,11 +103,12 @@ def recv_requests(sock: zmq.Socket | None, block: bool) -> list[Any]:
 
 
 def event_loop(args: ServerArgs, sched: Scheduler, tp: ParallelGroup, recv: zmq.Socket | None,
-               send: zmq.Socket | None) -> None:
+               send: zmq.Socket | None, load: zmq.Socket | None = None) -> None:
     if args.enable_lockstep_check:
         sched.before_run = lockstep_checker(args.enable_lockstep_check, tp)
     if os.environ.get(PERTURB_ENV) == str(tp.rank):
         sched.perturb = True
+    last_load: tuple[int, int, int] | None = None
     while True:
         msgs = recv_requests(recv, block=sched.is_idle())
         msgs = broadcast_pyobj(msgs, tp)
@@ -101,6 +119,11 @@ def event_loop(args: ServerArgs, sched: Scheduler, tp: ParallelGroup, recv: zmq.
             for reply in sched.control_replies:
                 send.send(encode(reply))
         sched.control_replies.clear()
+        if load is not None:
+            now = sched.load()
+            if now != last_load:
+                load.send(encode(LoadReport(sched.dp_rank, *now)))
+                last_load = now
 
 
 def lockstep_checker(every: int, tp: ParallelGroup):

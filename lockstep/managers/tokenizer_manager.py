@@ -150,6 +150,8 @@ class TokenizerManager:
         meta.update(id=state.rid, prompt_tokens=out.prompt_tokens,
                     completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
                     finish_reason=out.finish_reason, e2e_latency=now - state.created)
+        if self.args.dp_size > 1:
+            meta["dp_rank"] = out.dp_rank
         if req.return_logprob:
             meta.setdefault("output_token_logprobs", []).extend(self._lp(out.output_token_logprobs, req))
             meta.setdefault("input_token_logprobs", []).extend(self._lp(out.input_token_logprobs, req))
@@ -173,10 +175,13 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheOut:
         self.start()
-        fut = asyncio.get_running_loop().create_future()
-        self.control_waiters.append(fut)
+        # Every data-parallel replica answers; the flush succeeds only if all of them did.
+        futs = [asyncio.get_running_loop().create_future() for _ in range(self.args.dp_size)]
+        self.control_waiters.extend(futs)
         await self.to_scheduler.send(encode(FlushCacheReq()))
-        return await asyncio.wait_for(fut, timeout=60)
+        replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=60)
+        failed = [r for r in replies if not r.success]
+        return failed[0] if failed else replies[0]
 
     # ---- outputs ------------------------------------------------------------------------
     async def _handle_loop(self) -> None:

@@ -7,8 +7,6 @@ scratch slot (padding writes land there), so usable slots are 1..size.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -20,7 +18,7 @@ class ReqToTokenPool:
         # Kept sorted so that allocation order is deterministic on every rank.
         self.free_slots = list(range(num_slots))
 
-    def alloc(self) -> Optional[int]:
+    def alloc(self) -> int | None:
         return self.free_slots.pop(0) if self.free_slots else None
 
     def free(self, slot: int) -> None:
@@ -45,7 +43,7 @@ class TokenToKVPoolAllocator:
     def available_size(self) -> int:
         return int(self.free_slots.numel())
 
-    def alloc(self, n: int) -> Optional[torch.Tensor]:
+    def alloc(self, n: int) -> torch.Tensor | None:
         if n > self.free_slots.numel():
             return None
         out, self.free_slots = self.free_slots[:n], self.free_slots[n:]

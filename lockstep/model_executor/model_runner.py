@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-from lockstep.model_loader.weights import iter_weights
 
 from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import SINGLE, ParallelGroup
 from lockstep.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from lockstep.model_executor.forward_batch import ForwardBatch
+from lockstep.model_loader.weights import iter_weights
 from lockstep.models.registry import build_model
 
 logger = logging.getLogger(__name__)

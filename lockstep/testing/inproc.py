@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from lockstep.managers.io_struct import SamplingParams, TokenizedGenerateReq
 from lockstep.managers.scheduler import Scheduler, create_scheduler
@@ -13,9 +13,9 @@ from lockstep.server_args import ServerArgs
 @dataclass
 class Finished:
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[dict[str, Any]] = None
+    finish_reason: dict[str, Any] | None = None
     logprobs: list[float] = field(default_factory=list)
-    input_logprobs: list[Optional[float]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
     cached_tokens: int = 0
 
 
@@ -51,3 +51,28 @@ def run_to_completion(sched: Scheduler, schedule: dict[int, list[Any]] | list[An
             sched.check_integrity()
             return results
     raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+
+
+def generate_through(launched: Any, prompts: list[list[int]], max_new: int,
+                     concurrent: bool = True) -> list[list[int]]:
+    """Greedy-generate through a launched server's TokenizerManager (real processes, real ZMQ)."""
+    import asyncio
+
+    from lockstep.entrypoints.protocol import GenerateReqInput
+
+    tm = launched.tokenizer_manager
+
+    async def one(ids: list[int]) -> list[int]:
+        req = GenerateReqInput(input_ids=ids, sampling_params={
+            "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
+        last: dict[str, Any] = {}
+        async for out in tm.generate(req):
+            last = out
+        return last["output_ids"]
+
+    async def main() -> list[list[int]]:
+        if concurrent:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return [await one(p) for p in prompts]
+
+    return asyncio.run(main())

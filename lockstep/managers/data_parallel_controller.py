@@ -1,0 +1,183 @@
+"""The data-parallel controller: one process in front of dp_size replicas. It reads the
+tokenizer manager's inputs and sends each request to one replica by the load-balance method;
+replicas report their load back, so dispatch follows real queues rather than guesses."""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from lockstep.managers.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    LoadReport,
+    TokenizedGenerateReq,
+    decode,
+    encode,
+)
+from lockstep.server_args import PortArgs, ServerArgs
+from lockstep.utils.process import configure_logging, die_with_parent, set_title
+
+logger = logging.getLogger(__name__)
+BLOCK = 16  # tokens per node of the approximate prefix index
+MAX_TRACKED_RIDS = 100_000
+
+
+@dataclass
+class ReplicaState:
+    running: int = 0
+    queued: int = 0
+    tokens_in_use: int = 0
+    sent_since_report: int = 0  # dispatched after the last report: counted as load too
+    # Approximate prefix index of what was sent here: hash chain of 16-token blocks, LRU-bounded.
+    blocks: OrderedDict = field(default_factory=OrderedDict)
+
+    @property
+    def load(self) -> int:
+        return self.running + self.queued + self.sent_since_report
+
+
+class Dispatcher:
+    """Chooses a replica for each request. Pure given its inputs (reports and requests)."""
+
+    def __init__(self, method: str, dp_size: int, cache_threshold: float = 0.5,
+                 balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.0001,
+                 max_blocks: int = 1 << 16, seed: int = 0) -> None:
+        self.method = method
+        self.replicas = [ReplicaState() for _ in range(dp_size)]
+        self.cache_threshold = cache_threshold
+        self.abs_threshold = balance_abs_threshold
+        self.rel_threshold = balance_rel_threshold
+        self.max_blocks = max_blocks
+        self.next_rr = 0
+        self.rng = random.Random(seed)
+        self.counts = [0] * dp_size
+
+    def report(self, r: LoadReport) -> None:
+        s = self.replicas[r.dp_rank]
+        s.running, s.queued, s.tokens_in_use, s.sent_since_report = r.running, r.queued, r.tokens_in_use, 0
+
+    def choose(self, req: TokenizedGenerateReq) -> int:
+        if self.method == "round_robin":
+            target = self.next_rr
+            self.next_rr = (self.next_rr + 1) % len(self.replicas)
+        elif self.method == "shortest_queue":
+            target = self._least(lambda s: s.load)
+        elif self.method == "minimum_tokens":
+            target = self._least(lambda s: (s.tokens_in_use, s.load))
+        elif self.method == "cache_aware":
+            target = self._cache_aware(req.input_ids)
+        else:
+            raise ValueError(f"unknown load-balance method {self.method!r}")
+        self.replicas[target].sent_since_report += 1
+        self.counts[target] += 1
+        if self.method == "cache_aware":
+            self._remember(target, req.input_ids)
+        return target
+
+    def _least(self, key) -> int:
+        return min(range(len(self.replicas)), key=lambda i: (key(self.replicas[i]), i))
+
+    @staticmethod
+    def _chain(ids: list[int]) -> list[int]:
+        out, h = [], 0
+        for i in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
+            h = hash((h, tuple(ids[i:i + BLOCK])))
+            out.append(h)
+        return out
+
+    def _match_blocks(self, s: ReplicaState, chain: list[int]) -> int:
+        n = 0
+        for h in chain:
+            if h not in s.blocks:
+                break
+            n += 1
+        return n
+
+    def _cache_aware(self, ids: list[int]) -> int:
+        loads = [s.load for s in self.replicas]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
+            return self._least(lambda s: s.load)
+        chain = self._chain(ids)
+        matches = [self._match_blocks(s, chain) for s in self.replicas]
+        best = max(range(len(matches)), key=lambda i: (matches[i], -loads[i], -i))
+        rate = matches[best] * BLOCK / max(1, len(ids))
+        if rate > self.cache_threshold:
+            return best
+        # A cold prefix goes where the least is cached, which spreads distinct prefixes out.
+        return min(range(len(self.replicas)), key=lambda i: (len(self.replicas[i].blocks), loads[i], i))
+
+    def _remember(self, target: int, ids: list[int]) -> None:
+        blocks = self.replicas[target].blocks
+        for h in self._chain(ids):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+
+
+def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inputs: list[str],
+                                 pipe: Connection) -> None:
+    die_with_parent()
+    set_title("lockstep::data_parallel_controller")
+    configure_logging(args.log_level, "DP")
+    try:
+        ctx = zmq.Context()
+        inputs = ctx.socket(zmq.PULL)
+        inputs.bind(ports.scheduler_input_ipc)
+        loads = ctx.socket(zmq.PULL)
+        loads.bind(ports.dp_load_ipc)
+        outs = []
+        for addr in replica_inputs:
+            s = ctx.socket(zmq.PUSH)
+            s.connect(addr)
+            outs.append(s)
+        dispatcher = Dispatcher(args.load_balance_method, args.dp_size, args.dp_cache_threshold,
+                                args.dp_balance_abs_threshold, args.dp_balance_rel_threshold,
+                                seed=args.random_seed)
+    except Exception as e:  # noqa: BLE001
+        pipe.send({"status": "error", "message": f"data-parallel controller: {e}"})
+        sys.exit(1)
+    pipe.send({"status": "ready"})
+    owner: OrderedDict[str, int] = OrderedDict()
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    poller.register(loads, zmq.POLLIN)
+    try:
+        while True:
+            ready = dict(poller.poll())
+            while loads in ready:
+                try:
+                    dispatcher.report(decode(loads.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+            if inputs in ready:
+                _route(decode(inputs.recv()), dispatcher, outs, owner)
+    except Exception:  # noqa: BLE001
+        logger.error("data-parallel controller crashed:\n%s", traceback.format_exc())
+        sys.exit(1)
+
+
+def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket], owner: OrderedDict) -> None:
+    if isinstance(msg, TokenizedGenerateReq):
+        target = dispatcher.choose(msg)
+        owner[msg.rid] = target
+        if len(owner) > MAX_TRACKED_RIDS:
+            owner.popitem(last=False)
+        outs[target].send(encode(msg))
+    elif isinstance(msg, AbortReq) and msg.rid in owner:
+        outs[owner[msg.rid]].send(encode(msg))
+    elif isinstance(msg, (AbortReq, FlushCacheReq)):
+        for s in outs:
+            s.send(encode(msg))
+    else:
+        logger.error("DP controller ignored %s", type(msg).__name__)
