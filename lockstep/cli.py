@@ -1,4 +1,5 @@
-"""The `lockstep` command: `lockstep serve [server args]`, `lockstep bench NAME [args]`."""
+"""The `lockstep` command: `lockstep serve [server args]`, `lockstep bench NAME [args]`,
+`lockstep router [router args]`."""
 
 from __future__ import annotations
 
@@ -144,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     benches = ", ".join(_benchmarks()) or "none yet"
     sub.add_parser("bench", help=f"run a benchmark: lockstep bench NAME [ARGS] ({benches})",
                    add_help=False)
-    if not argv or argv[0] not in ("serve", "bench"):
+    sub.add_parser("router", help="route requests across several servers (same HTTP API)",
+                   add_help=False)
+    if not argv or argv[0] not in ("serve", "bench", "router"):
         parser.parse_args(argv)  # --help, --version, or an error naming the commands
         parser.print_help()
         return 2
@@ -152,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         run_serve(rest)
         return 0
+    if command == "router":
+        from lockstep.router.router import main as router_main
+
+        return router_main(rest)
     if not rest or rest[0] in ("-h", "--help"):
         print("usage: lockstep bench NAME [ARGS]\n\nbenchmarks: " + benches)
         return 0 if rest else 2
