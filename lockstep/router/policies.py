@@ -1,0 +1,325 @@
+"""Routing policies of the router: which worker serves a request.
+
+- `round_robin`: the healthy workers in turn.
+- `random`: uniformly at random (seeded, so a run can be replayed).
+- `power_of_two`: two workers at random, the one with fewer requests in flight.
+- `cache_aware`: SGLang router's algorithm. The router keeps an approximate radix tree per worker
+  of the request texts it sent there (a character tree; prompt text, chat messages rendered to one
+  string, or input ids as a string of numbers). For each request:
+    1. when the load is imbalanced — max - min > `balance_abs_threshold` AND
+       max > min * `balance_rel_threshold` (load = requests in flight) — the least loaded worker;
+    2. else, when the longest prefix match over the workers' trees covers more than
+       `cache_threshold` of the text, the worker with that match;
+    3. else the worker whose tree is smallest (ties: the least loaded), which spreads new prefixes.
+  The text is then inserted into the chosen worker's tree. Each tree holds at most
+  `max_tree_size` characters; past that its least recently used leaves are evicted.
+
+A policy sees only the candidates it is given (the healthy workers not yet tried for this
+request) as objects with `.url` and `.load`; it never does I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+
+
+class WorkerLike(Protocol):
+    url: str
+    load: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Approximate radix tree over characters
+
+
+def _common_prefix(edge: str, text: str, start: int) -> int:
+    """Length of the common prefix of `edge` and `text[start:]` (slice compares run in C)."""
+    n = min(len(edge), len(text) - start)
+    if edge[:n] == text[start:start + n]:
+        return n
+    lo, hi = 0, n - 1  # the answer is in [lo, hi]: edge[:lo] matches, edge[:hi + 1] does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if edge[:mid] == text[start:start + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _Node:
+    __slots__ = ("children", "text", "parent", "last_access")
+
+    def __init__(self, text: str, parent: _Node | None, tick: int) -> None:
+        self.children: dict[str, _Node] = {}
+        self.text = text
+        self.parent = parent
+        self.last_access = tick
+
+
+class RadixTree:
+    """A character radix tree with LRU eviction by leaves; `size` counts the characters held."""
+
+    def __init__(self, max_size: int | None = None, evict_to: float = 0.9) -> None:
+        self.root = _Node("", None, 0)
+        self.size = 0
+        self.max_size = max_size
+        self.evict_to = evict_to
+        self._tick = 0
+
+    def match(self, text: str) -> int:
+        """Characters of `text` covered by the longest prefix in the tree (read-only)."""
+        node, i = self.root, 0
+        while i < len(text):
+            child = node.children.get(text[i])
+            if child is None:
+                break
+            common = _common_prefix(child.text, text, i)
+            i += common
+            if common < len(child.text):
+                break
+            node = child
+        return i
+
+    def insert(self, text: str) -> None:
+        """Add `text`, refreshing the access time of its whole path; evict if over the bound."""
+        self._tick += 1
+        tick = self._tick
+        node, i = self.root, 0
+        node.last_access = tick
+        while i < len(text):
+            child = node.children.get(text[i])
+            if child is None:
+                node.children[text[i]] = _Node(text[i:], node, tick)
+                self.size += len(text) - i
+                break
+            common = _common_prefix(child.text, text, i)
+            if common < len(child.text):  # split the edge at the divergence
+                mid = _Node(child.text[:common], node, tick)
+                child.text = child.text[common:]
+                child.parent = mid
+                mid.children[child.text[0]] = child
+                node.children[text[i]] = mid
+                child = mid
+            child.last_access = tick
+            node = child
+            i += common
+        if self.max_size is not None and self.size > self.max_size:
+            self.evict(int(self.max_size * self.evict_to))
+
+    def evict(self, target: int) -> int:
+        """Drop least recently used leaves until at most `target` characters remain."""
+        if self.size <= target:
+            return 0
+        heap: list[tuple[int, int, _Node]] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                heap.append((node.last_access, id(node), node))
+        heapq.heapify(heap)
+        removed = 0
+        while heap and self.size > target:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.text[0]]
+            self.size -= len(leaf.text)
+            removed += len(leaf.text)
+            if not parent.children and parent is not self.root:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return removed
+
+    def clear(self) -> None:
+        self.root = _Node("", None, 0)
+        self.size = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies
+
+
+class Policy:
+    name = "base"
+
+    def select(self, candidates: Sequence[WorkerLike], text: str) -> WorkerLike:
+        raise NotImplementedError
+
+    def remove_worker(self, url: str) -> None:  # noqa: B027 - a no-op unless state is kept
+        pass
+
+    def clear(self) -> None:  # noqa: B027 - the workers' caches were flushed
+        pass
+
+    def info(self) -> dict[str, Any]:
+        return {"policy": self.name}
+
+
+def _least_loaded(candidates: Sequence[WorkerLike]) -> WorkerLike:
+    return min(candidates, key=lambda w: w.load)
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self.counter = 0
+
+    def select(self, candidates: Sequence[WorkerLike], text: str) -> WorkerLike:
+        chosen = candidates[self.counter % len(candidates)]
+        self.counter += 1
+        return chosen
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, seed: int | None = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def select(self, candidates: Sequence[WorkerLike], text: str) -> WorkerLike:
+        return candidates[self.rng.randrange(len(candidates))]
+
+
+class PowerOfTwo(Policy):
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def select(self, candidates: Sequence[WorkerLike], text: str) -> WorkerLike:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self.rng.sample(range(len(candidates)), 2)
+        first, second = candidates[a], candidates[b]
+        return second if second.load < first.load else first
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
+                 balance_rel_threshold: float = 1.0001, max_tree_size: int = 2 ** 24) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.max_tree_size = max_tree_size
+        self.trees: dict[str, RadixTree] = {}
+        self.decisions = {"balance": 0, "cache_hit": 0, "cache_miss": 0}
+
+    def tree(self, url: str) -> RadixTree:
+        tree = self.trees.get(url)
+        if tree is None:
+            tree = self.trees[url] = RadixTree(self.max_tree_size)
+        return tree
+
+    def imbalanced(self, candidates: Sequence[WorkerLike]) -> bool:
+        loads = [w.load for w in candidates]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+
+    def select(self, candidates: Sequence[WorkerLike], text: str) -> WorkerLike:
+        if len(candidates) > 1 and self.imbalanced(candidates):
+            chosen, why = _least_loaded(candidates), "balance"
+        elif text:
+            best, best_len = None, 0
+            for w in candidates:
+                matched = self.tree(w.url).match(text)
+                if matched > best_len:
+                    best, best_len = w, matched
+            if best is not None and best_len / len(text) > self.cache_threshold:
+                chosen, why = best, "cache_hit"
+            else:
+                chosen = min(candidates, key=lambda w: (self.tree(w.url).size, w.load))
+                why = "cache_miss"
+        else:
+            chosen, why = _least_loaded(candidates), "cache_miss"
+        self.decisions[why] += 1
+        if text:
+            self.tree(chosen.url).insert(text)
+        return chosen
+
+    def remove_worker(self, url: str) -> None:
+        self.trees.pop(url, None)
+
+    def clear(self) -> None:
+        for tree in self.trees.values():
+            tree.clear()
+
+    def tree_sizes(self) -> dict[str, int]:
+        return {url: tree.size for url, tree in self.trees.items()}
+
+    def info(self) -> dict[str, Any]:
+        return {"policy": self.name, "cache_threshold": self.cache_threshold,
+                "balance_abs_threshold": self.balance_abs_threshold,
+                "balance_rel_threshold": self.balance_rel_threshold,
+                "max_tree_size": self.max_tree_size, "decisions": dict(self.decisions),
+                "tree_sizes": self.tree_sizes()}
+
+
+def make_policy(name: str, *, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
+                balance_rel_threshold: float = 1.0001, max_tree_size: int = 2 ** 24,
+                seed: int | None = 0) -> Policy:
+    if name == "cache_aware":
+        return CacheAware(cache_threshold, balance_abs_threshold, balance_rel_threshold,
+                          max_tree_size)
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "random":
+        return RandomPolicy(seed)
+    if name == "power_of_two":
+        return PowerOfTwo(seed)
+    raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The text a request is routed on
+
+
+def _ids_text(ids: Sequence[Any]) -> str:
+    return " ".join(str(t) for t in ids)
+
+
+def _prompt_text(value: Any) -> str:
+    """A prompt as text: a string, a list of ids, or (a batch) the first of a list of either."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        head = value[0]
+        if isinstance(head, (str, list)):
+            return _prompt_text(head)
+        if isinstance(head, int) and not isinstance(head, bool):
+            return _ids_text(value)
+    return ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        return "".join(p.get("text", "") for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def routing_text(path: str, body: Any) -> str:
+    """The text the cache-aware policy matches a request on ("" when there is none)."""
+    if not isinstance(body, dict):
+        return ""
+    if path.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        return "".join(f"<|{m.get('role', '')}|>{_content_text(m.get('content'))}\n"
+                       for m in messages if isinstance(m, dict))
+    if path.endswith("/completions"):
+        return _prompt_text(body.get("prompt"))
+    text = _prompt_text(body.get("text"))
+    return text or _prompt_text(body.get("input_ids"))
