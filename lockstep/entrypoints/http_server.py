@@ -338,7 +338,7 @@ def create_app(launched: Launched) -> FastAPI:
         return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
 
     # ---- health and info ---------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return Response(status_code=200)
 
@@ -480,6 +480,14 @@ def launch_server(args: ServerArgs) -> None:
         logger.error("startup failed: %s: %s", type(e).__name__, e)
         sys.exit(1)
     install_signal_handlers(launched)
+    if launched.tokenizer_manager is None:
+        # Nodes other than 0 run only their scheduler ranks; node 0 serves. The watchdog ends
+        # this process when a rank exits (for example when node 0 goes away).
+        logger.info("node %d: %d scheduler rank(s) running; node 0 serves requests",
+                    args.node_rank, len(launched.children))
+        for p in launched.children:
+            p.join()
+        return
     try:
         app = create_app(launched)
         sock.listen(2048)
