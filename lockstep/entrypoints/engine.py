@@ -41,6 +41,8 @@ class Launched:
 
     def shutdown(self) -> None:
         self._stopping = True
+        if self.tokenizer_manager is not None:
+            self.tokenizer_manager.close()
         for p in self.children:
             if p.is_alive():
                 kill_tree(p.pid)

@@ -65,6 +65,8 @@ class TokenizerManager:
         self.max_total_num_tokens = max_total_num_tokens
         self.vocab_size = vocab_size
         self.ctx = zmq.asyncio.Context()
+        # LINGER 0: a message for a scheduler that is gone must never block this process's exit.
+        self.ctx.setsockopt(zmq.LINGER, 0)
         self.to_scheduler = self.ctx.socket(zmq.PUSH)
         self.to_scheduler.connect(ports.scheduler_input_ipc)
         self.from_detokenizer = self.ctx.socket(zmq.PULL)
@@ -73,6 +75,10 @@ class TokenizerManager:
         self.control_waiters: list[asyncio.Future] = []
         self.observers: list[Any] = []  # called with (state, output) on every output (metrics)
         self._loop_task: asyncio.Task | None = None
+
+    def close(self) -> None:
+        """Release the sockets; the output loop then ends by itself (ContextTerminated)."""
+        self.ctx.destroy(linger=0)
 
     def start(self) -> None:
         """Call from inside the event loop that will serve requests."""
@@ -186,7 +192,10 @@ class TokenizerManager:
     # ---- outputs ------------------------------------------------------------------------
     async def _handle_loop(self) -> None:
         while True:
-            msg = decode(await self.from_detokenizer.recv())
+            try:
+                msg = decode(await self.from_detokenizer.recv())
+            except (zmq.ContextTerminated, zmq.ZMQError, asyncio.CancelledError):
+                return
             if isinstance(msg, BatchStrOut):
                 for out in msg.outputs:
                     if out.finished_by_detokenizer:
