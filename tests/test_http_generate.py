@@ -6,13 +6,10 @@ process: a tiny model (fast) behind --api-key, and the real default model for CJ
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,8 +19,8 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
+from lockstep.testing.live_server import LiveServer
 from lockstep.testing.tiny_models import make_tiny_model
-from lockstep.utils.process import free_port
 
 API_KEY = "sk-test-lockstep"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -32,68 +29,6 @@ REAL_MODEL_ARGS = ("--max-total-tokens", "16384")
 
 # ---------------------------------------------------------------------------------------------
 # A live server process
-
-
-def _die_with_parent() -> None:  # runs in the child before exec: never outlive the test run
-    from lockstep.utils.process import die_with_parent
-
-    die_with_parent()
-
-
-class LiveServer:
-    """`python -m lockstep.launch_server ARGS --port <free>`, waited for on /health; stopped by
-    its PID (SIGTERM, then SIGKILL), never by name."""
-
-    def __init__(self, *args: str, log_dir: Path, startup_timeout: float = 600.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "lockstep.launch_server", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
-        self.child_pids: list[int] = []
-        try:
-            self._wait_healthy(startup_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        with contextlib.suppress(psutil.NoSuchProcess):
-            self.child_pids = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def log_text(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        for pid in self.child_pids:  # the scheduler and detokenizer die with the server
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).wait(timeout=10)
-        self._log.close()
 
 
 class _ExternalServer:
