@@ -184,12 +184,15 @@ class Router:
                     error = f"/health answered {resp.status}"
         except _RETRYABLE as e:
             error = f"/health failed: {type(e).__name__}: {e}"
+        first = worker.checked_at is None
         worker.checked_at = time.time()
         if error is None:
             if not worker.healthy and worker.url in self.workers:
                 logger.info("worker %s is healthy", worker.url)
             worker.healthy = True
             return True
+        if first:
+            logger.warning("worker %s is not healthy yet: %s", worker.url, error)
         self.mark_unhealthy(worker, error)
         return False
 
