@@ -298,12 +298,7 @@ def test_cache_aware_affinity(servers, make_router):
     assert final[home] == after[home]
     assert sum(final.values()) - sum(after.values()) == 3
     # The workers' own metrics agree: one of them saw the shared prefix as cached tokens.
-    cached = []
-    for url in (a, b):
-        text = requests.get(url + "/metrics", timeout=10).text
-        line = next(ln for ln in text.splitlines() if ln.startswith("lockstep:cached_tokens"))
-        cached.append(float(line.split()[-1]))
-    assert max(cached) > 0
+    assert max(_metric(url, "lockstep:cached_tokens") for url in (a, b)) > 0
 
 
 def test_round_robin_alternates(servers, make_router):
@@ -386,6 +381,52 @@ def test_streaming_passes_chunk_by_chunk(servers, make_router):
         chunks = _stream_events(r)
     assert chunks[-1][1] == "[DONE]" and len(chunks) > 4
     assert len({t for t, _ in chunks}) > 1
+
+
+def _metric(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", timeout=10).text
+    return float(next(ln for ln in text.splitlines() if ln.startswith(name)).split()[-1])
+
+
+def test_client_disconnect_aborts_at_the_worker(servers, make_router):
+    """A client that leaves mid-stream (or before a plain answer) has its request closed at the
+    worker: the router's in-flight count and the worker's running requests drop back to 0."""
+    worker = servers[0].url
+    router = make_router([worker], "round_robin")
+    long = {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}
+    generated = _metric(worker, "lockstep:generation_tokens")
+    with requests.post(router.url + "/generate", stream=True, timeout=60,
+                       json={"text": "never finish", "stream": True, "sampling_params": long}) as r:
+        next(r.iter_content(chunk_size=None))  # the first event arrived: now leave
+    with contextlib.suppress(requests.RequestException):  # a plain request, given up on
+        requests.post(router.url + "/generate", timeout=1.0,
+                      json={"text": "never finish either", "sampling_params": long})
+
+    def idle() -> bool:
+        running = requests.get(worker + "/get_server_info", timeout=10).json()
+        return (router.workers()[worker]["load"] == 0
+                and running["num_running_requests"] == 0)
+
+    deadline = time.monotonic() + 30
+    while not idle():
+        assert time.monotonic() < deadline, (router.workers(), router.log()[-2000:])
+        time.sleep(0.2)
+    # Neither ran to its 2000 tokens: both were aborted, not finished.
+    assert _metric(worker, "lockstep:generation_tokens") - generated < 2000
+
+
+def test_cli_entry_points():
+    from lockstep.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["router", "--help"])
+    assert exc.value.code == 0
+    out = subprocess.run([sys.executable, "-m", "lockstep.router", "--policy", "fastest"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "lockstep.router", "--worker-urls", "localhost:1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "http://HOST:PORT" in out.stderr
 
 
 def test_dead_worker_is_skipped_and_retried(servers, make_router):
@@ -528,7 +569,7 @@ def test_kill_worker_mid_load(servers, make_router):
     exactly one 200 with its own full output."""
     survivor, victim = servers
     router = make_router([survivor.url, victim.url], "round_robin")
-    n, tokens = 40, 96
+    n, tokens = 40, 64
     body = lambda i: {"text": f"Request number {i} of the load test",  # noqa: E731
                       "rid": f"load-{i}-{os.getpid()}",
                       "sampling_params": {"temperature": 0, "max_new_tokens": tokens,
