@@ -218,6 +218,7 @@ class Router:
     def remove_worker(self, url: str) -> Worker:
         worker = self.workers.pop(normalize_url(url))  # KeyError when unknown
         self.policy.remove_worker(worker.url)
+        self._checks.pop(worker.url, None)
         logger.info("removed worker %s", worker.url)
         return worker
 
