@@ -10,8 +10,9 @@ the share spent inside the worker (forward + sample) is printed too.
 
 The same prompts then run through HF transformers ``generate`` (greedy, ``min_new_tokens =
 max_new_tokens``) at ``--hf-batch-sizes`` (default 1 and 8), in the same process and dtype, and
-the ratios are printed. HF's prefill is timed as ``generate(max_new_tokens=1)``; its decode step as
-(full generate - prefill) / (output_len - 1), as SGLang's bench_one_batch does.
+the ratios are printed. HF's steps are timed inside one ``generate`` call by a logits processor
+that notes the time of each step: prefill = start to the first step's logits, decode step = the
+median gap between consecutive steps (as lockstep's: the median decode step).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Result:
     decode_step_s: float  # median decode step
     total_s: float
     worker_share: float | None = None  # share of step time inside forward + sample (lockstep)
+    # median per decode step of step time minus worker time: the scheduler's own Python work
+    sched_overhead_s: float | None = None
 
     @property
     def prefill_tok_s(self) -> float:
@@ -120,19 +123,22 @@ class LockstepBench:
                                "requests; raise the KV budget")
         for o in outs:
             got[o.rid] += len(o.new_token_ids)
-        steps = []
+        steps, overheads = [], []
         while not sched.is_idle():
+            w = self.worker_time
             t = time.perf_counter()
             for o in sched.step():
                 got[o.rid] += len(o.new_token_ids)
             steps.append(time.perf_counter() - t)
+            overheads.append(steps[-1] - (self.worker_time - w))
         total = time.perf_counter() - t0
         if any(n != output_len for n in got.values()):
             raise RuntimeError(f"expected {output_len} tokens per request, got {sorted(got.values())}")
         sched.check_integrity()
         decode = statistics.median(steps) if steps else float("nan")
         return Result("lockstep", len(prompts), len(prompts[0]), output_len, _dtype_name(self.dtype),
-                      prefill, decode, total, self.worker_time / total)
+                      prefill, decode, total, self.worker_time / total,
+                      statistics.median(overheads) if overheads else None)
 
 
 class HFBench:
@@ -143,21 +149,32 @@ class HFBench:
         self.dtype = dtype
 
     @torch.inference_mode()
-    def _generate(self, ids: torch.Tensor, n: int) -> tuple[float, torch.Tensor]:
-        t = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, top_k=None, top_p=None,
-                                  temperature=None, pad_token_id=0)
-        return time.perf_counter() - t, out
-
     def run(self, prompts: list[list[int]], output_len: int) -> Result:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class Clock(LogitsProcessor):
+            """Called once per generated token, right after that step's forward pass."""
+
+            def __init__(self) -> None:
+                self.times: list[float] = []
+
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                self.times.append(time.perf_counter())
+                return scores
+
         ids = torch.tensor(prompts, dtype=torch.int64)
-        prefill, _ = self._generate(ids, 1)
-        total, out = self._generate(ids, output_len)
-        assert out.shape[1] == ids.shape[1] + output_len
-        decode = (total - prefill) / max(1, output_len - 1)
+        clock = Clock()
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                  min_new_tokens=output_len, do_sample=False, top_k=None, top_p=None,
+                                  temperature=None, pad_token_id=0,
+                                  logits_processor=LogitsProcessorList([clock]))
+        total = time.perf_counter() - t0
+        assert out.shape[1] == ids.shape[1] + output_len and len(clock.times) == output_len
+        steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+        decode = statistics.median(steps) if steps else float("nan")
         return Result("hf", len(prompts), len(prompts[0]), output_len, _dtype_name(self.dtype),
-                      prefill, decode, total)
+                      clock.times[0] - t0, decode, total)
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -167,14 +184,14 @@ def _dtype_name(d: torch.dtype) -> str:
 def format_table(results: list[Result]) -> str:
     head = (f"{'engine':<9}{'dtype':<9}{'batch':>6}{'in':>6}{'out':>5}{'prefill ms':>12}"
             f"{'prefill tok/s':>15}{'decode ms/step':>16}{'decode tok/s':>14}"
-            f"{'total s':>9}{'total tok/s':>13}{'worker %':>10}")
+            f"{'total s':>9}{'total tok/s':>13}{'sched ms/step':>15}")
     lines = [head, "-" * len(head)]
     for r in results:
-        share = f"{100 * r.worker_share:.0f}" if r.worker_share is not None else "-"
+        share = f"{1000 * r.sched_overhead_s:.2f}" if r.sched_overhead_s is not None else "-"
         lines.append(f"{r.engine:<9}{r.dtype:<9}{r.batch_size:>6}{r.input_len:>6}{r.output_len:>5}"
                      f"{1000 * r.prefill_s:>12.1f}{r.prefill_tok_s:>15.1f}"
                      f"{1000 * r.decode_step_s:>16.1f}{r.decode_tok_s:>14.1f}"
-                     f"{r.total_s:>9.2f}{r.total_tok_s:>13.1f}{share:>10}")
+                     f"{r.total_s:>9.2f}{r.total_tok_s:>13.1f}{share:>15}")
     return "\n".join(lines)
 
 
