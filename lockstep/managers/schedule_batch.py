@@ -167,7 +167,8 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
     ps = [r.sampling_params for r in reqs]
     f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
     i = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    top_ks = [p.top_k if p.top_k > 0 else vocab for p in ps]
+    # top_k past the vocabulary is the same as off (and past int64 it would not fit the tensor).
+    top_ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]
     info = SamplingBatchInfo(
         temperatures=f([0.0 if p.is_greedy else p.temperature for p in ps]),
         top_ps=f([p.top_p for p in ps]), top_ks=i(top_ks), min_ps=f([p.min_p for p in ps]),
