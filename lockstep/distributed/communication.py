@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.distributed.parallel_state import ParallelGroup, PipelineGroup
 
 
 def init_distributed(init_addr: str, world_size: int, rank: int, device: str) -> None:
@@ -18,34 +18,62 @@ def init_distributed(init_addr: str, world_size: int, rank: int, device: str) ->
                             rank=rank, timeout=timedelta(hours=24))
 
 
-def make_tp_group(tp_size: int, tp_rank: int, pp_rank: int, device: str) -> ParallelGroup:
+def make_tp_group(tp_size: int, tp_rank: int, pp_rank: int, pp_size: int, device: str) -> ParallelGroup:
     if tp_size == 1:
         return ParallelGroup()
-    ranks = list(range(pp_rank * tp_size, (pp_rank + 1) * tp_size))
-    device_group = dist.new_group(ranks, backend="nccl" if device == "cuda" else "gloo")
-    cpu_group = device_group if device != "cuda" else dist.new_group(ranks, backend="gloo")
-    return ParallelGroup(tp_rank, tp_size, device_group, cpu_group, ranks[0])
+    mine = None
+    # new_group is collective over the whole world: every rank creates every stage's group, in
+    # the same order, and keeps its own.
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        device_group = dist.new_group(ranks, backend="nccl" if device == "cuda" else "gloo")
+        cpu_group = device_group if device != "cuda" else dist.new_group(ranks, backend="gloo")
+        if stage == pp_rank:
+            mine = ParallelGroup(tp_rank, tp_size, device_group, cpu_group, ranks[0], ranks[0] + tp_rank)
+    return mine
 
 
-def broadcast_pyobj(obj: Any, group: ParallelGroup) -> Any:
-    """Rank 0 of the group sends `obj`; every rank returns it. Length first, then bytes, so an
-    empty step costs one 8-byte broadcast."""
+def make_world_group(world_size: int, global_rank: int) -> ParallelGroup:
+    """Every rank of the replica, on gloo: inputs, sampled tokens and lockstep checks."""
+    if world_size == 1:
+        return ParallelGroup()
+    cpu = dist.new_group(list(range(world_size)), backend="gloo")
+    return ParallelGroup(global_rank, world_size, cpu, cpu, 0, global_rank)
+
+
+def make_pipeline_group(args_tp: int, args_pp: int, tp_rank: int, pp_rank: int,
+                        world: ParallelGroup) -> PipelineGroup:
+    if args_pp == 1:
+        return PipelineGroup(world=world)
+    me = pp_rank * args_tp + tp_rank
+    return PipelineGroup(
+        rank=pp_rank, size=args_pp,
+        prev_global=me - args_tp if pp_rank > 0 else -1,
+        next_global=me + args_tp if pp_rank < args_pp - 1 else -1,
+        last_stage_src=(args_pp - 1) * args_tp, world=world,
+    )
+
+
+def broadcast_pyobj(obj: Any, group: ParallelGroup, src: int | None = None) -> Any:
+    """Global rank `src` (default: the group's first rank) sends `obj`; every rank returns it.
+    Length first, then bytes, so an empty step costs one 8-byte broadcast."""
     if group.size == 1:
         return obj
-    if group.rank == 0:
+    src = group.first_global_rank if src is None else src
+    if group.global_rank == src:
         data = pickle.dumps(obj) if obj else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=group.first_global_rank, group=group.cpu_group)
+        dist.broadcast(size, src=src, group=group.cpu_group)
         if data:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            dist.broadcast(buf, src=group.first_global_rank, group=group.cpu_group)
+            dist.broadcast(buf, src=src, group=group.cpu_group)
         return obj
     size = torch.tensor([0], dtype=torch.int64)
-    dist.broadcast(size, src=group.first_global_rank, group=group.cpu_group)
+    dist.broadcast(size, src=src, group=group.cpu_group)
     if int(size) == 0:
-        return []
+        return obj.__class__() if obj is not None else None
     buf = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(buf, src=group.first_global_rank, group=group.cpu_group)
+    dist.broadcast(buf, src=src, group=group.cpu_group)
     return pickle.loads(buf.numpy().tobytes())
 
 

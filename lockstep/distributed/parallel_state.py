@@ -22,6 +22,8 @@ class ParallelGroup:
     cpu_group: dist.ProcessGroup | None = None
     # Global rank of this group's rank 0, the source of broadcasts.
     first_global_rank: int = 0
+    # This process's global rank.
+    global_rank: int = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -44,3 +46,34 @@ class ParallelGroup:
 
 
 SINGLE = ParallelGroup()
+
+
+def partition_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """[start, end) of the layers pipeline stage `pp_rank` runs; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class PipelineGroup:
+    """This rank's place in the pipeline. Hidden states go to the same TP rank of the next stage;
+    the last stage's TP rank 0 broadcasts sampled tokens to every rank of the replica (`world`)."""
+
+    rank: int = 0
+    size: int = 1
+    prev_global: int = -1
+    next_global: int = -1
+    last_stage_src: int = 0
+    world: ParallelGroup = ParallelGroup()
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+
+NO_PIPELINE = PipelineGroup()

@@ -311,7 +311,8 @@ class Scheduler:
         self.waiting.append(victim)
         self.stats.retractions += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
-        logger.debug("retracted %s after %d tokens", victim.rid, len(victim.output_ids))
+        logger.info("KV pool full: retracted %s after %d tokens (%d retractions so far)",
+                    victim.rid, len(victim.output_ids), self.stats.retractions)
 
     def _decay_ratio(self) -> None:
         floor = self.init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
@@ -450,12 +451,12 @@ class Scheduler:
         logger.error(msg)
 
 
-def create_scheduler(args: ServerArgs, tp=None, local_ranks: int = 1,
+def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
                      strict_integrity: bool = False) -> Scheduler:
     """Load the model for this rank and build its scheduler; used by every scheduler process
     and by in-process tests alike."""
     from lockstep.configs.model_config import ModelConfig
-    from lockstep.distributed.parallel_state import SINGLE
+    from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE
     from lockstep.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
     from lockstep.model_loader import resolve_model
 
@@ -468,7 +469,7 @@ def create_scheduler(args: ServerArgs, tp=None, local_ranks: int = 1,
         local_ranks=local_ranks,
     )
     torch.manual_seed(args.random_seed)
-    runner = ModelRunner(model_cfg, source.weight_files, runner_cfg, tp or SINGLE)
+    runner = ModelRunner(model_cfg, source.weight_files, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
     return Scheduler(args, TpModelWorker(runner), stop_token_ids(source.model_dir, model_cfg),
                      strict_integrity)
 

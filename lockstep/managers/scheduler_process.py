@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -19,11 +20,14 @@ from lockstep.distributed.communication import (
     all_gather_pyobj,
     broadcast_pyobj,
     init_distributed,
+    make_pipeline_group,
     make_tp_group,
+    make_world_group,
 )
 from lockstep.distributed.parallel_state import ParallelGroup
 from lockstep.managers.io_struct import BatchTokenIDOut, LoadReport, decode, encode
 from lockstep.managers.scheduler import Scheduler, create_scheduler
+from lockstep.managers.watchdog import ForwardProgressWatchdog
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
 
@@ -49,13 +53,16 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
         world = args.tp_size * args.pp_size
         if world > 1:
             init_distributed(ports.dist_init_addr, world, pp_rank * args.tp_size + tp_rank, args.device)
-        tp = make_tp_group(args.tp_size, tp_rank, pp_rank, args.device)
+        global_rank = pp_rank * args.tp_size + tp_rank
+        world_group = make_world_group(world, global_rank)
+        tp = make_tp_group(args.tp_size, tp_rank, pp_rank, args.pp_size, args.device)
+        pp = make_pipeline_group(args.tp_size, args.pp_size, tp_rank, pp_rank, world_group)
         local_ranks = max(1, world // args.nnodes)
-        sched = create_scheduler(args, tp, local_ranks=local_ranks * args.dp_size)
+        sched = create_scheduler(args, tp, pp, local_ranks=local_ranks * args.dp_size)
         sched.dp_rank = dp_rank
         ctx = zmq.Context()
         recv = send = load = None
-        if tp_rank == 0:
+        if global_rank == 0:  # the one rank that reads inputs and sends outputs
             recv = ctx.socket(zmq.PULL)
             recv.bind(ports.scheduler_input_ipc)
             send = ctx.socket(zmq.PUSH)
@@ -71,7 +78,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
                "context_len": sched.context_len, "tp_rank": tp_rank, "pp_rank": pp_rank,
                "param_bytes": parameter_bytes(sched.worker.runner.model)})
     try:
-        event_loop(args, sched, tp, recv, send, load)
+        event_loop(args, sched, world_group, recv, send, load)
     except Exception:  # noqa: BLE001
         logger.error("scheduler TP%d crashed:\n%s", tp_rank, traceback.format_exc())
         # Bring the whole server down loudly, as SGLang does with SIGQUIT to the parent.
@@ -102,17 +109,21 @@ def recv_requests(sock: zmq.Socket | None, block: bool) -> list[Any]:
             return msgs
 
 
-def event_loop(args: ServerArgs, sched: Scheduler, tp: ParallelGroup, recv: zmq.Socket | None,
+def event_loop(args: ServerArgs, sched: Scheduler, world: ParallelGroup, recv: zmq.Socket | None,
                send: zmq.Socket | None, load: zmq.Socket | None = None) -> None:
     if args.enable_lockstep_check:
-        sched.before_run = lockstep_checker(args.enable_lockstep_check, tp)
-    if os.environ.get(PERTURB_ENV) == str(tp.rank):
+        sched.before_run = lockstep_checker(args.enable_lockstep_check, world)
+    if os.environ.get(PERTURB_ENV) == str(world.global_rank):
         sched.perturb = True
+    # A busy scheduler that finishes no step for --watchdog-timeout s takes the server down.
+    watchdog = ForwardProgressWatchdog(args.watchdog_timeout, mp.current_process().name).start()
     last_load: tuple[int, int, int] | None = None
     while True:
         msgs = recv_requests(recv, block=sched.is_idle())
-        msgs = broadcast_pyobj(msgs, tp)
+        msgs = broadcast_pyobj(msgs, world)
+        watchdog.step_begins(bool(msgs) or not sched.is_idle())
         outputs = sched.step(msgs)
+        watchdog.step_done(not sched.is_idle())
         if send is not None:
             if outputs:
                 send.send(encode(BatchTokenIDOut(outputs)))
@@ -126,7 +137,7 @@ def event_loop(args: ServerArgs, sched: Scheduler, tp: ParallelGroup, recv: zmq.
                 last_load = now
 
 
-def lockstep_checker(every: int, tp: ParallelGroup):
+def lockstep_checker(every: int, world: ParallelGroup):
     """Every `every` steps the ranks compare a running hash of their schedule decisions, and fail
     with both fingerprints instead of hanging in a collective with mismatched batches."""
     state = {"digest": ""}
@@ -135,10 +146,10 @@ def lockstep_checker(every: int, tp: ParallelGroup):
         state["digest"] = hashlib.sha1((state["digest"] + fingerprint).encode()).hexdigest()[:16]
         if step % every:
             return
-        seen = all_gather_pyobj(state["digest"], tp)
+        seen = all_gather_pyobj(state["digest"], world)
         if len(set(seen)) > 1:
             raise LockstepError(
                 f"lockstep check failed at step {step}: ranks made different scheduling decisions; "
-                f"fingerprints by TP rank: {seen}")
+                f"fingerprints by rank: {seen}")
 
     return check

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lockstep.distributed.communication import broadcast_pyobj
 from lockstep.layers.sampler import sample
 from lockstep.managers.schedule_batch import ModelWorkerBatch
 from lockstep.model_executor.model_runner import ModelRunner
@@ -30,8 +31,16 @@ class TpModelWorker:
 
     @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        model = self.runner.model
         hidden = self.runner.forward(batch.forward_batch)
+        pp = self.runner.pp
+        res = self._sample(hidden, batch) if pp.is_last else None
+        if pp.size > 1:
+            # The last stage's result reaches every rank, so all schedulers stay in step.
+            res = broadcast_pyobj(res, pp.world, src=pp.last_stage_src)
+        return res
+
+    def _sample(self, hidden: torch.Tensor, batch: ModelWorkerBatch) -> GenerationBatchResult:
+        model = self.runner.model
         res = GenerationBatchResult([])
         if batch.sample_rows.numel():
             logits = model.compute_logits(hidden[batch.sample_rows])

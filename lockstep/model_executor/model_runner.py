@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import psutil
 import torch
+import torch.distributed as dist
 
 from lockstep.configs.model_config import ModelConfig
-from lockstep.distributed.parallel_state import SINGLE, ParallelGroup
+from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE, ParallelGroup, PipelineGroup
 from lockstep.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from lockstep.model_executor.forward_batch import ForwardBatch
 from lockstep.model_loader.weights import iter_weights
@@ -48,26 +49,28 @@ class RunnerConfig:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weight_files: tuple, cfg: RunnerConfig,
-                 tp: ParallelGroup = SINGLE) -> None:
+                 tp: ParallelGroup = SINGLE, pp: PipelineGroup = NO_PIPELINE) -> None:
         self.model_cfg = model_cfg
         self.cfg = cfg
         self.tp = tp
+        self.pp = pp
         self.device = cfg.device
         self.dtype = cfg.dtype
         t0 = time.perf_counter()
         with torch.device(cfg.device):
-            self.model = build_model(model_cfg, tp, cfg.dtype)
+            self.model = build_model(model_cfg, tp, cfg.dtype, pp)
         self.model.load_weights(iter_weights(weight_files))
         self.model.eval()
         logger.info("weights loaded in %.1f s", time.perf_counter() - t0)
         self.context_len = min(cfg.context_length or model_cfg.max_position, model_cfg.max_position)
-        attn = self.model.layers[0].self_attn
+        attn = self.model.layers[self.model.start_layer].self_attn
         self.n_kv_local = attn.n_kv
         self.max_total_tokens = self._kv_budget()
         self.req_to_token_pool = ReqToTokenPool(
             cfg.max_running_requests + 1, min(self.context_len, self.max_total_tokens) + 1, cfg.device
         )
-        self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, model_cfg.num_layers,
+        layer_ids = range(self.model.start_layer, self.model.end_layer)
+        self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, layer_ids,
                                               self.n_kv_local, model_cfg.head_dim, cfg.dtype, cfg.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, cfg.device)
         self.windows = set(model_cfg.layer_windows)
@@ -75,7 +78,8 @@ class ModelRunner:
     def _kv_budget(self) -> int:
         if self.cfg.max_total_tokens:
             return self.cfg.max_total_tokens
-        per_token = TokenToKVPool.bytes_per_token(self.model_cfg.num_layers, self.n_kv_local,
+        n_layers = self.model.end_layer - self.model.start_layer
+        per_token = TokenToKVPool.bytes_per_token(n_layers, self.n_kv_local,
                                                   self.model_cfg.head_dim, self.dtype)
         if self.device == "cuda":
             free = torch.cuda.mem_get_info()[0]
@@ -86,7 +90,18 @@ class ModelRunner:
         return max(256, min(tokens, self.context_len * self.cfg.max_running_requests))
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Final hidden states at fb.logits_indices; the worker turns the rows it needs into logits."""
+    def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """Final hidden states at fb.logits_indices on the last pipeline stage (the worker turns
+        the rows it needs into logits); None on earlier stages, which pass hidden states on."""
         fb.build_attention(self.req_to_token_pool.req_to_token, self.windows)
-        return self.model(fb, self.token_to_kv_pool)
+        hidden_in = None
+        if not self.pp.is_first:
+            # Every stage made the same scheduling decision, so the shape is known here.
+            hidden_in = torch.empty((fb.input_ids.numel(), self.model_cfg.hidden_size),
+                                    dtype=self.dtype, device=self.device)
+            dist.recv(hidden_in, src=self.pp.prev_global)
+        hidden = self.model(fb, self.token_to_kv_pool, hidden_in)
+        if self.pp.is_last:
+            return hidden
+        dist.send(hidden.contiguous(), dst=self.pp.next_global)
+        return None

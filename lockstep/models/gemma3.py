@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lockstep.configs.model_config import ModelConfig
-from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
 from lockstep.layers.norm import RMSNorm
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 from lockstep.model_executor.forward_batch import ForwardBatch
@@ -34,8 +34,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma3DecoderLayer
     gemma_norms = True
 
-    def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype) -> None:
-        super().__init__(cfg, tp, dtype)
+    def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,
+                 pp: PipelineGroup = NO_PIPELINE) -> None:
+        super().__init__(cfg, tp, dtype, pp)
         # HF rounds the scale to the model dtype before multiplying; so do we.
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype)
 

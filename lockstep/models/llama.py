@@ -8,7 +8,12 @@ import torch
 from torch import nn
 
 from lockstep.configs.model_config import ModelConfig, RopeConfig
-from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.distributed.parallel_state import (
+    NO_PIPELINE,
+    ParallelGroup,
+    PipelineGroup,
+    partition_layers,
+)
 from lockstep.layers.activation import act_and_mul
 from lockstep.layers.attention import PagedAttention
 from lockstep.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -90,31 +95,49 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
     gemma_norms = False
 
-    def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,
+                 pp: PipelineGroup = NO_PIPELINE) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, i, tp, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.gemma_norms)
-        self.lm_head = (
-            self.embed_tokens if cfg.tie_word_embeddings
-            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        )
+        self.pp = pp
+        self.start_layer, self.end_layer = partition_layers(cfg.num_layers, pp.size, pp.rank)
+        # A pipeline stage builds only its own layers; the others are empty placeholders so
+        # that parameter names keep their checkpoint layer index.
+        self.layers = nn.ModuleList(
+            self.layer_cls(cfg, i, tp, dtype) if self.start_layer <= i < self.end_layer else nn.Identity()
+            for i in range(cfg.num_layers))
+        if pp.is_first or (pp.is_last and cfg.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if pp.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.gemma_norms)
+            self.lm_head = (
+                self.embed_tokens if cfg.tie_word_embeddings
+                else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+            )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
-        """Returns final-normed hidden states at fb.logits_indices only."""
-        h = self.embed(fb.input_ids)
-        for layer in self.layers:
+    def forward(self, fb: ForwardBatch, pool: TokenToKVPool,
+                hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """The last stage returns final-normed hidden states at fb.logits_indices only; earlier
+        stages return every token's hidden state for the next stage."""
+        h = self.embed(fb.input_ids) if self.pp.is_first else hidden_in
+        for layer in self.layers[self.start_layer:self.end_layer]:
             h = layer(h, fb, pool)
-        return self.norm(h[fb.logits_indices])
+        return self.norm(h[fb.logits_indices]) if self.pp.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = ParallelLMHead.logits(self.lm_head, hidden).float()  # type: ignore[arg-type]
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _on_this_stage(self, name: str) -> bool:
+        if name.startswith("layers."):
+            return self.start_layer <= int(name.split(".")[1]) < self.end_layer
+        if name.startswith("embed_tokens."):
+            return hasattr(self, "embed_tokens")
+        return self.pp.is_last  # norm, lm_head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
@@ -129,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
                 if ckpt in name:
                     name, shard = name.replace(ckpt, ours), shard_id
                     break
+            if name not in params and not self._on_this_stage(name):
+                continue
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[name]

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from lockstep.configs.model_config import ModelConfig
-from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
 from lockstep.models.gemma3 import Gemma3ForCausalLM
 from lockstep.models.llama import LlamaForCausalLM
 
@@ -16,5 +16,6 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype) -> nn.Module:
-    return MODELS[cfg.arch](cfg, tp, dtype)
+def build_model(cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,
+                pp: PipelineGroup = NO_PIPELINE) -> nn.Module:
+    return MODELS[cfg.arch](cfg, tp, dtype, pp)

@@ -26,7 +26,8 @@ class LiveServer:
     """`python -m lockstep.launch_server ARGS --port <free>`, waited for on /health; stopped by
     its PID (SIGTERM, then SIGKILL), never by name."""
 
-    def __init__(self, *args: str, log_dir: Path, startup_timeout: float = 600.0) -> None:
+    def __init__(self, *args: str, log_dir: Path, startup_timeout: float = 600.0,
+                 wait: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
@@ -35,8 +36,18 @@ class LiveServer:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=_die_with_parent)
         self.child_pids: list[int] = []
+        # What /health answered while the server started, in order, without repeats (None: the
+        # connection was refused): [None, 503, 200] when it says "starting" before "ready".
+        self.startup_health: list[int | None] = []
+        self.startup_timeout = startup_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Start several servers at once with wait=False, then wait for each. Start them from
+        the main thread: the parent-death signal fires when the *thread* that spawned them ends."""
         try:
-            self._wait_healthy(startup_timeout)
+            self._wait_healthy(self.startup_timeout)
         except BaseException:
             self.stop()
             raise
@@ -48,9 +59,14 @@ class LiveServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+            try:
+                status: int | None = requests.get(self.url + "/health", timeout=2).status_code
+            except requests.RequestException:
+                status = None
+            if not self.startup_health or self.startup_health[-1] != status:
+                self.startup_health.append(status)
+            if status == 200:
+                return
             time.sleep(0.5)
         raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
@@ -64,11 +80,12 @@ class LiveServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 40.0) -> None:
+        """SIGTERM (a graceful drain of whatever still runs), then SIGKILL after `timeout` s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
