@@ -26,7 +26,7 @@ import orjson
 import pydantic
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 
 from lockstep.entrypoints.engine import (
@@ -74,11 +74,14 @@ async def read_json(request: Request) -> Any:
         raise RequestError(f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}", 413)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RequestError(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise RequestError(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", 413)
+            chunks.append(chunk)
+    except ClientDisconnect as e:  # gone before its body arrived: nobody to answer, nothing to log
+        raise ClientGone() from e
     body = b"".join(chunks)
     if not body.strip():
         raise RequestError("request body is empty; send a JSON object")
