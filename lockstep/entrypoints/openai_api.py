@@ -363,7 +363,7 @@ class OpenAIServing:
                          max_model_len=self.tm.context_len)
         return ModelList(data=[card]).model_dump()
 
-    def render_chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def render_chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if self.chat_template is None:
             raise RequestError(
                 "this model has no chat template and none is built in for its architecture; "
@@ -375,7 +375,7 @@ class OpenAIServing:
                                  eos_token=tok.eos_token or "")
         except ChatTemplateError as e:
             raise RequestError(f"messages: {e}") from e
-        return tok(prompt, add_special_tokens=False).input_ids
+        return await self.tm.tokenize_text(prompt, add_special_tokens=False)
 
     # ---- /v1/completions --------------------------------------------------------------
     async def completions(self, body: Any, request: Request | None) -> Response:
@@ -460,7 +460,7 @@ class OpenAIServing:
     async def chat(self, body: Any, request: Request | None) -> Response:
         req = ChatCompletionRequest.model_validate(body)
         self.check_model(req.model)
-        ids = self.render_chat_prompt(req)
+        ids = await self.render_chat_prompt(req)
         gen_in = GenerateReqInput(
             input_ids=ids, sampling_params=req.to_sampling_params(), stream=req.stream,
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,

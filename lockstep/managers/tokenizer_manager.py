@@ -7,6 +7,7 @@ dicts ({"text", "output_ids", "meta_info"}) that the HTTP routes and the Engine 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -40,6 +41,11 @@ class RequestError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+# Texts longer than this are tokenized on a worker thread, so that a long prompt never stalls the
+# event loop (and every stream it serves) while the tokenizer runs.
+TOKENIZE_OFF_LOOP_CHARS = 16_384
 
 
 @dataclass
@@ -90,14 +96,41 @@ class TokenizerManager:
         return len(self.states)
 
     # ---- requests -----------------------------------------------------------------------
-    def tokenize(self, req: SingleGenerateReq) -> list[int]:
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.context_len - 1
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this can tokenize to at most `max_prompt_tokens` tokens: a token
+        covers at most as many characters as its longest vocabulary entry has (four times that
+        for what Unicode normalization may fold together). Longer texts are refused before the
+        tokenizer runs, which on megabytes of text takes seconds."""
+        try:
+            longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no early refusal
+            return 1 << 62
+        return self.max_prompt_tokens * max(1, longest) * 4
+
+    async def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(
+                f"the prompt has {len(text)} characters, more than a prompt of at most "
+                f"{self.max_prompt_tokens} tokens can have")
+        if len(text) > TOKENIZE_OFF_LOOP_CHARS:
+            enc = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        else:
+            enc = self.tokenizer(text, add_special_tokens=add_special_tokens)
+        return enc.input_ids
+
+    async def tokenize(self, req: SingleGenerateReq) -> list[int]:
         if req.input_ids is not None:
             ids = list(req.input_ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             return ids
-        return self.tokenizer(req.text or "").input_ids
+        return await self.tokenize_text(req.text or "")
 
     def to_sampling_params(self, sp: SamplingParamsModel, prompt_len: int) -> SamplingParams:
         room = self.context_len - prompt_len
@@ -119,7 +152,7 @@ class TokenizerManager:
                        ) -> AsyncIterator[dict[str, Any]]:
         """Yields one dict per output message; the last has meta_info.finish_reason set. If the
         consumer stops early (client gone), the request is aborted and its KV freed."""
-        ids = prompt_ids if prompt_ids is not None else self.tokenize(req)
+        ids = prompt_ids if prompt_ids is not None else await self.tokenize(req)
         params = self.to_sampling_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests
         if limit is not None and len(self.states) >= limit + self.args.max_running_requests:
