@@ -1,0 +1,86 @@
+"""The forward-progress watchdog of a scheduler process.
+
+The event loop reports each step: `step_begins(busy)` once the step's inputs are in hand and
+`step_done(busy)` after it, where busy means the scheduler holds work (new inputs, or requests
+waiting or running). A daemon thread watches the clock: when the scheduler has been busy for
+`timeout` seconds without finishing a step (a hung collective, a peer rank that stopped, a
+forward that never returns) it logs why, dumps every thread's stack with faulthandler, and
+brings the whole server down: SIGQUIT to the parent (the front process ends everything, non-zero)
+and this process exits at once. An idle scheduler blocked waiting for input never fires.
+
+Only the wall clock of this thread is read here; nothing of it enters a scheduling decision.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+logger = logging.getLogger(__name__)
+
+
+def _bring_server_down() -> None:
+    os.kill(os.getppid(), signal.SIGQUIT)
+    os._exit(1)
+
+
+class ForwardProgressWatchdog:
+    def __init__(self, timeout: float, name: str,
+                 on_fire: Callable[[], None] = _bring_server_down,
+                 dump_to: TextIO | None = None) -> None:
+        self.timeout = timeout
+        self.name = name
+        self.on_fire = on_fire
+        self.dump_to = dump_to  # default: stderr, which is the server's log
+        self.busy = False
+        self.since = time.monotonic()
+        self.fired = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ForwardProgressWatchdog:
+        if self.timeout > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._watch, daemon=True,
+                                            name=f"lockstep-watchdog {self.name}")
+            self._thread.start()
+        return self
+
+    def step_begins(self, busy: bool) -> None:
+        if busy and not self.busy:
+            self.since = time.monotonic()  # the time first, so the thread never sees a stale one
+            self.busy = True
+
+    def step_done(self, busy: bool) -> None:
+        self.since = time.monotonic()
+        self.busy = busy
+
+    def stalled_for(self) -> float:
+        return time.monotonic() - self.since if self.busy else 0.0
+
+    def _watch(self) -> None:
+        poll = min(1.0, max(0.05, self.timeout / 10))
+        while True:
+            time.sleep(poll)
+            stalled = self.stalled_for()
+            if stalled > self.timeout:
+                self.fire(stalled)
+                return
+
+    def fire(self, stalled: float) -> None:
+        self.fired = True
+        logger.error("watchdog: scheduler %s has held work for %.1f s without finishing a step "
+                     "(--watchdog-timeout %g); dumping every thread's stack and bringing the "
+                     "server down", self.name, stalled, self.timeout)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        out = self.dump_to or sys.stderr
+        out.flush()
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.flush()
+        self.on_fire()
