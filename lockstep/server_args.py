@@ -40,26 +40,44 @@ class ServerArgs:
     incremental_streaming_output: bool = field(
         default=False, metadata={"help": "Stream only the new text in each /generate event."}
     )
+    graceful_shutdown_timeout: float = field(
+        default=20.0,
+        metadata={"help": "On SIGTERM: refuse new requests (503) and let running ones finish for up "
+                          "to this many seconds, then abort the rest and exit."})
+    max_request_body_bytes: int = field(
+        default=32 * 1024 * 1024, metadata={"help": "Largest request body accepted; larger get 413."})
+    max_prompt_tokens: int | None = field(
+        default=None, metadata={"help": "Longest prompt accepted, in tokens (default: the context length - 1)."})
+    max_batch_size: int = field(
+        default=1024,
+        metadata={"help": "Most generations one HTTP request may fan out into (prompts x n); more get 400."})
     # Memory
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
     mem_fraction_static: float = field(
         default=0.2, metadata={"help": "Share of free memory for the KV pool when --max-total-tokens is unset."}
     )
     max_running_requests: int = 64
-    max_queued_requests: int | None = None
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata={"help": "Most requests waiting beyond the running ones; past it a 503 with Retry-After."})
     # Scheduling
     schedule_policy: str = field(default="fcfs", metadata={"choices": list(SCHEDULE_POLICIES)})
     chunked_prefill_size: int = field(default=512, metadata={"help": "Max prefill tokens per step; -1 disables chunking."})
     enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run prefill chunks and decodes in one batch."})
     disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
+    disable_overlap_schedule: bool = field(default=False, metadata={
+        "help": "Accepted for SGLang compatibility. Overlap scheduling is not implemented yet: "
+                "the plain step loop always runs, so this flag changes nothing."})
     new_token_ratio: float = field(default=0.7, metadata={"help": "Initial estimate of max_new_tokens actually used."})
     random_seed: int = 0
     enable_lockstep_check: int = field(
         default=0, metadata={"help": "Every N steps the ranks compare schedule fingerprints (0 = off)."}
     )
     debug_fingerprints: bool = field(default=False, metadata={"help": "Record per-step schedule fingerprints."})
-    watchdog_timeout: float = 300.0
+    watchdog_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds a scheduler may hold work without finishing a step before it dumps "
+                          "every thread's stack to the log and brings the server down (0 = off)."})
     # Parallelism
     tp_size: int = 1
     pp_size: int = 1
@@ -77,7 +95,8 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "max_running_requests"):
+        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "max_running_requests",
+                     "max_request_body_bytes", "max_batch_size"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be >= 1")
         if self.node_rank >= self.nnodes or self.node_rank < 0:
@@ -88,6 +107,12 @@ class ServerArgs:
             problems.append("--dp-size > 1 runs on one node; use the router across nodes")
         if self.nnodes > 1 and not self.dist_init_addr:
             problems.append("--dist-init-addr is required with --nnodes > 1")
+        for name in ("watchdog_timeout", "graceful_shutdown_timeout", "max_queued_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                problems.append(f"--{name.replace('_', '-')} must be >= 0")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            problems.append("--max-prompt-tokens must be >= 1")
         if not 0 < self.mem_fraction_static < 1:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:

@@ -64,3 +64,34 @@ def test_same_tokens_alone_batched_prefixed_and_chunked(arch, tiny_model_dirs):
     chunked = run_to_completion(make_scheduler(model_dir, max_total_tokens=8192, chunked_prefill_size=7),
                                 [greedy_req("t", target, MAX_NEW)])["t"]
     assert chunked.output_ids == alone
+
+
+REAL_PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Question: What is 17 + 25?\nAnswer:",
+]
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    from transformers import AutoTokenizer
+
+    from lockstep.model_loader import resolve_model
+
+    source = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(source.model_dir)
+    return source.model_dir, [tok(p).input_ids for p in REAL_PROMPTS]
+
+
+@pytest.mark.real_model
+def test_real_gemma3_270m_matches_hf(real_model):
+    model_dir, prompts = real_model
+    ref = hf_greedy(model_dir, prompts, MAX_NEW)
+    sched = make_scheduler(None, max_total_tokens=4096)
+    got = run_to_completion(sched, [greedy_req(f"r{i}", p, MAX_NEW, return_logprob=True)
+                                    for i, p in enumerate(prompts)])
+    for i, r in enumerate(ref):
+        assert got[f"r{i}"].output_ids == r.output_ids, f"prompt {i}"
+        assert got[f"r{i}"].logprobs == pytest.approx(r.logprobs, abs=1e-3)

@@ -76,8 +76,8 @@ def test_dispatch_methods_with_live_replicas(tiny_model_dirs):
     try:
         async def sq():
             tm = launched.tokenizer_manager
-            long = asyncio.ensure_future(_send(tm, prompt(8), 400))
-            await asyncio.sleep(2.0)  # the long request is running and its replica has reported it
+            long = asyncio.ensure_future(_send(tm, prompt(8), 3000))
+            await asyncio.sleep(1.0)  # the long request is running and its replica has reported it
             first = await _send(tm, prompt(8), 2)
             second = await _send(tm, prompt(8), 2)
             return await long, first, second

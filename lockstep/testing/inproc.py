@@ -19,8 +19,10 @@ class Finished:
     cached_tokens: int = 0
 
 
-def make_scheduler(model_path: str, **overrides: Any) -> Scheduler:
-    args = ServerArgs(model_path=str(model_path), dtype=overrides.pop("dtype", "float32"), **overrides)
+def make_scheduler(model_path: Any, **overrides: Any) -> Scheduler:
+    """model_path None: the default model."""
+    path = None if model_path is None else str(model_path)
+    args = ServerArgs(model_path=path, dtype=overrides.pop("dtype", "float32"), **overrides)
     return create_scheduler(args, strict_integrity=True)
 
 
