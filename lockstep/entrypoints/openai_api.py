@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from lockstep.entrypoints.chat_templates import (
     ChatTemplateError,
@@ -55,6 +55,7 @@ from lockstep.entrypoints.protocol import (
 )
 from lockstep.managers.tokenizer_manager import RequestError, TokenizerManager
 from lockstep.server_args import ServerArgs
+from lockstep.utils.asgi import DisconnectAwareStreamingResponse, wait_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -86,40 +87,12 @@ def sse(data: Any) -> bytes:
 SSE_DONE = sse("[DONE]")
 
 
-class SSEResponse(StreamingResponse):
-    """A stream that is cancelled as soon as the client disconnects, whatever ASGI spec version
-    the server speaks (Starlette only listens for the disconnect below 2.4, and otherwise notices
-    it on the next write, which for a queued request may be a long time away). Cancelling the
-    body iterator closes its Fanout, which aborts the requests and frees their KV."""
+class SSEResponse(DisconnectAwareStreamingResponse):
+    """An SSE stream; closing its body iterator closes its Fanout, which aborts the requests and
+    frees their KV."""
 
     def __init__(self, content: AsyncIterator[bytes], status_code: int = 200) -> None:
         super().__init__(content, status_code, headers=SSE_HEADERS, media_type="text/event-stream")
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        stream = asyncio.ensure_future(self._stream(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (stream, watcher):
-                task.cancel()
-            await asyncio.gather(stream, watcher, return_exceptions=True)
-            closer = getattr(self.body_iterator, "aclose", None)
-            if closer is not None:
-                await closer()
-
-    async def _stream(self, send: Any) -> None:
-        try:
-            await self.stream_response(send)
-        except OSError:  # the client went away mid-write
-            pass
-
-
-async def _wait_disconnect(receive: Any) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 class ClientGone(Exception):
@@ -171,7 +144,7 @@ class Fanout:
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._pump(i, s)) for i, s in enumerate(self.singles)]
         if request is not None:
-            self.watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+            self.watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         waiting = set(range(len(self.singles)))
         try:
             while waiting:
@@ -237,6 +210,16 @@ class Fanout:
         if self.watcher is not None:
             self.watcher.cancel()
             self.watcher = None
+
+
+def check_fanout(gen_in: GenerateReqInput, limit: int) -> None:
+    """Refuse a request that would fan out into more than `limit` generations (prompts x n)
+    before any of them is built."""
+    sp = gen_in.sampling_params
+    size = sum(p.n for p in sp) if isinstance(sp, list) else gen_in.batch_size * sp.n
+    if size > limit:
+        raise RequestError(f"this request fans out into {size} generations (prompts x n); "
+                           f"the limit is {limit} (--max-batch-size)")
 
 
 async def run_to_completion(tm: TokenizerManager, singles: list[SingleGenerateReq],
@@ -389,6 +372,7 @@ class OpenAIServing:
             sampling_params=req.to_sampling_params(), stream=req.stream,
             return_logprob=want_lp, logprob_start_len=0 if (want_lp and req.echo) else -1,
             top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True)
+        check_fanout(gen_in, self.args.max_batch_size)
         singles = gen_in.normalize()
         prompts_text = self._prompt_texts(gen_in) if req.echo else None
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -465,6 +449,7 @@ class OpenAIServing:
             input_ids=ids, sampling_params=req.to_sampling_params(), stream=req.stream,
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True)
+        check_fanout(gen_in, self.args.max_batch_size)
         singles = gen_in.normalize()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

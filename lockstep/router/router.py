@@ -37,9 +37,10 @@ import aiohttp
 import orjson
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response
 
 from lockstep.router.policies import POLICIES, Policy, make_policy, routing_text
+from lockstep.utils.asgi import DisconnectAwareStreamingResponse, wait_disconnect
 
 logger = logging.getLogger("lockstep.router")
 
@@ -353,43 +354,22 @@ class _Relay:
             self.resp.close()
 
 
-class RelayResponse(StreamingResponse):
-    """Relays a stream and stops as soon as the client disconnects (whatever ASGI version the
-    server speaks), closing the upstream so the worker aborts the request."""
+class RelayResponse(DisconnectAwareStreamingResponse):
+    """Relays a stream; when it ends or the client leaves, the upstream is closed so the worker
+    aborts the request."""
 
     def __init__(self, relay: _Relay, status_code: int, headers: dict[str, str]) -> None:
         self.relay = relay
         super().__init__(relay.chunks(), status_code, headers=headers)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        stream = asyncio.ensure_future(self._stream(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (stream, watcher):
-                task.cancel()
-            await asyncio.gather(stream, watcher, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            self.relay.close()
-
-    async def _stream(self, send: Any) -> None:
-        with contextlib.suppress(OSError):
-            await self.stream_response(send)
-
-
-async def _wait_disconnect(receive: Any) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+    def on_close(self) -> None:
+        self.relay.close()
 
 
 async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
     """`work`, cancelled (the worker's request closed, so it aborts) if the client leaves."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
