@@ -331,7 +331,9 @@ async def benchmark(args: argparse.Namespace, rows: list[Any], tokenizer: Any,
                             row.output_len if output_len is None else output_len, model,
                             args.ignore_eos, extra)
 
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # A fresh connection per request, as SGLang's client does: reusing a kept-alive connection
+    # that the server has meanwhile closed fails the request ("Can not write request body").
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=AIOHTTP_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         async def send(req: RequestInput, t_origin: float) -> RequestOutput:
