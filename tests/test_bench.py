@@ -217,3 +217,16 @@ def test_serving_client_against_live_server(live_server: int, tiny_llama: Path, 
     assert record["total_output"] == 8 * 6  # ignore_eos: exactly the requested lengths
     assert record["total_input"] == 8 * 24
     assert record["mean_ttft_ms"] > 0 and record["mean_itl_ms"] > 0
+
+
+def test_cli_dispatches_benchmarks(capsys) -> None:
+    from lockstep import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "serving", "--help"])
+    assert e.value.code == 0
+    assert "--max-concurrency" in capsys.readouterr().out
+    assert cli.main(["bench", "--help"]) == 0
+    listing = capsys.readouterr().out
+    for name in ("one_batch", "serving", "offline", "dtype_agreement"):
+        assert name in listing
