@@ -36,13 +36,17 @@ logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
-    """A request the server cannot serve as asked: becomes a 4xx, never a crash."""
+    """A request the server cannot serve as asked: becomes a 4xx (or a 503 when the server is
+    full or going down, with Retry-After), never a crash."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or ({"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {})
 
 
+RETRY_AFTER_S = 1
 # Texts longer than this are tokenized on a worker thread, so that a long prompt never stalls the
 # event loop (and every stream it serves) while the tokenizer runs.
 TOKENIZE_OFF_LOOP_CHARS = 16_384
@@ -98,7 +102,8 @@ class TokenizerManager:
     # ---- requests -----------------------------------------------------------------------
     @property
     def max_prompt_tokens(self) -> int:
-        return self.context_len - 1
+        limit = self.context_len - 1
+        return min(limit, self.args.max_prompt_tokens) if self.args.max_prompt_tokens else limit
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
@@ -141,6 +146,9 @@ class TokenizerManager:
             raise RequestError("the prompt is empty")
         if prompt_len >= self.context_len:
             raise RequestError(f"the prompt has {prompt_len} tokens; the context length is {self.context_len}")
+        if prompt_len > self.max_prompt_tokens:
+            raise RequestError(f"the prompt has {prompt_len} tokens; this server accepts at most "
+                               f"{self.max_prompt_tokens} (--max-prompt-tokens)")
         if max_new > room:
             raise RequestError(
                 f"max_new_tokens ({max_new}) + prompt ({prompt_len} tokens) exceeds the context "
@@ -155,8 +163,10 @@ class TokenizerManager:
         ids = prompt_ids if prompt_ids is not None else await self.tokenize(req)
         params = self.to_sampling_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests
-        if limit is not None and len(self.states) >= limit + self.args.max_running_requests:
-            raise RequestError("the server is at its request limit; retry later", status=503)
+        running = self.args.max_running_requests * self.args.dp_size
+        if limit is not None and len(self.states) >= limit + running:
+            raise RequestError(f"the server is full: {len(self.states)} requests in flight "
+                               f"(--max-queued-requests {limit}); retry later", status=503)
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in use")
