@@ -37,12 +37,16 @@ class Launched:
     children: list[mp.Process]
     tokenizer_manager: TokenizerManager | None  # None on nodes other than 0
     info: dict[str, Any] = field(default_factory=dict)
+    failed: str | None = None  # set when a child died: the server is going down (/health 503)
     _stopping: bool = False
 
     def shutdown(self) -> None:
-        self._stopping = True
+        self.kill_children()
         if self.tokenizer_manager is not None:
             self.tokenizer_manager.close()
+
+    def kill_children(self) -> None:
+        self._stopping = True
         for p in self.children:
             if p.is_alive():
                 kill_tree(p.pid)
@@ -59,8 +63,12 @@ class Launched:
             while not self._stopping:
                 ready = wait(list(sentinels), timeout=1.0)
                 if ready and not self._stopping:
+                    # A sentinel is ready however the child ended: an exception, os._exit, or a
+                    # signal that ran no Python at all (SIGKILL, the OOM killer, a segfault).
                     p = sentinels[ready[0]]
-                    on_death(f"child process {p.name} (pid {p.pid}) exited with code {p.exitcode}")
+                    p.join(timeout=1)
+                    self.failed = f"child process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+                    on_death(self.failed)
                     return
 
         t = threading.Thread(target=loop, name="lockstep-child-watchdog", daemon=True)
@@ -160,8 +168,10 @@ def install_signal_handlers(launched: Launched, exit_code_on_child_death: int = 
         signal.signal(sig, terminate)
 
     def on_death(msg: str) -> None:
+        # On the watchdog thread: kill the rest and exit at once, touching nothing the event
+        # loop owns (its sockets are not thread-safe).
         logger.error("%s; shutting the server down", msg)
-        launched.shutdown()
+        launched.kill_children()
         os._exit(exit_code_on_child_death)
 
     launched.watch(on_death)

@@ -55,6 +55,7 @@ class LiveServer:
             self.child_pids = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
 
     def _wait_healthy(self, timeout: float) -> None:
+        seen = self.__dict__.setdefault("startup_health", [])  # subclasses may skip __init__
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -63,8 +64,8 @@ class LiveServer:
                 status: int | None = requests.get(self.url + "/health", timeout=2).status_code
             except requests.RequestException:
                 status = None
-            if not self.startup_health or self.startup_health[-1] != status:
-                self.startup_health.append(status)
+            if not seen or seen[-1] != status:
+                seen.append(status)
             if status == 200:
                 return
             time.sleep(0.5)
