@@ -391,6 +391,15 @@ async def _server_model(args: argparse.Namespace) -> str | None:
         return "default"
 
 
+def _loadavg() -> float | None:
+    try:
+        import os
+
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lockstep.bench.datasets import add_dataset_args
 
@@ -438,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         model = await _server_model(args)
         return await benchmark(args, rows, tokenizer, model)
 
+    load_start = _loadavg()
     metrics, outputs = asyncio.run(run())
+    load_end = _loadavg()
     print(format_metrics(metrics, args.backend, args.request_rate, args.max_concurrency))
     errors = [o.error for o in outputs if not o.success]
     if errors:
@@ -452,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio, "seed": args.seed,
             **asdict(metrics),
+            # 1-minute load average before and after: on a shared machine, the context of a figure
+            "load_avg_start": load_start, "load_avg_end": load_end,
         }
         if args.dataset_name == "generated-shared-prefix":
             record.update({k: getattr(args, k) for k in vars(args) if k.startswith("gsp_")})
