@@ -16,10 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.configs.model_config import ModelConfig
 from lockstep.managers.data_parallel_controller import run_data_parallel_controller
 from lockstep.managers.detokenizer_manager import load_tokenizer, run_detokenizer_process
 from lockstep.managers.scheduler_process import run_scheduler_process
 from lockstep.managers.tokenizer_manager import TokenizerManager
+from lockstep.model_loader import resolve_model
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import kill_tree
 
@@ -83,6 +85,9 @@ def _threads_per_rank(args: ServerArgs) -> int:
 
 def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
                         ready_timeout: float = 600.0) -> Launched:
+    # Resolve (and on first use convert) the model once, here: a bad path fails the launch with
+    # one clear message before any child starts, and the children then find the cache ready.
+    source = resolve_model(args.model_path)
     ports = ports or PortArgs.new(args)
     ctx = mp.get_context("spawn")
     children: list[mp.Process] = []
@@ -126,10 +131,6 @@ def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
     launched.info = info
     if args.node_rank == 0:
         tokenizer = load_tokenizer(args)
-        from lockstep.configs.model_config import ModelConfig
-        from lockstep.model_loader import resolve_model
-
-        source = resolve_model(args.model_path)
         vocab = ModelConfig.from_hf(source.hf_config).vocab_size
         launched.info.update(vocab_size=vocab, model_dir=str(source.model_dir),
                              chat_template=source.chat_template)
