@@ -32,7 +32,8 @@ def test_tp_sizes_give_identical_greedy_outputs_and_process_tree(arch, tiny_mode
     prompts = tiny_prompts(model_dir, 6, seed=11, max_words=40)
     expected = _reference(model_dir, prompts)
     me = psutil.Process()
-    for tp in (1, 2, 4):
+    # tp 1 through real processes once (llama); the in-process reference covers tp 1 for all.
+    for tp in ((1, 2, 4) if arch == "llama" else (2, 4)):
         launched = _launch(model_dir, tp, enable_lockstep_check=2)
         try:
             # front (this process) + tp schedulers + detokenizer
