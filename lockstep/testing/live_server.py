@@ -72,7 +72,8 @@ class LiveServer:
         raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # still readable after stop()
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, n: int = 40) -> str:
