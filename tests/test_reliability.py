@@ -1,0 +1,815 @@
+"""The reliability suite: what a live server survives (docs/reliability.md has the figures).
+
+Each test has a short form, in the default run, and a long form marked `soak` (`make soak`):
+
+- soak: random prompt and output lengths, 64 requests at a time, through a KV pool small enough
+  that requests are retracted; nothing fails or is lost, every output equals the same request
+  run alone, no KV leaks, RSS stays flat;
+- disconnect storm: streaming clients that hang up at random points;
+- faults: SIGKILL of each kind of child, SIGSTOP of a scheduler (the watchdog fires);
+- graceful SIGTERM, /health while starting and draining, and the request limits;
+- API fuzzing: schemathesis over the server's own /openapi.json, and hand-written hostile input.
+
+Every server here runs a tiny random-weight model in float32, so greedy outputs are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+
+from lockstep.testing.corpus import random_prompt
+from lockstep.testing.live_server import LiveServer
+from lockstep.testing.tiny_models import make_tiny_model
+
+SHORT, LONG = "short", "long"
+FORMS = [SHORT, pytest.param(LONG, marks=pytest.mark.soak)]
+API_KEY = "sk-reliability"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL_ARGS = ("--dtype", "float32")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def passive_openmp_threads():
+    """The servers' OpenMP threads sleep instead of spinning while they wait. On a shared,
+    oversubscribed machine (CI, this suite beside other test runs) spinning made a tiny-model
+    decode step about 10x slower; these tests measure survival, not speed."""
+    old = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    yield
+    if old is None:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = old
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(make_tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def report(name: str, **figures: Any) -> None:
+    """Print the figures a test measured (shown with -s; docs/reliability.md records them)."""
+    shown = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in figures.items())
+    print(f"\n[reliability] {name}: {shown}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process helpers
+
+
+def tree(server: LiveServer) -> list[int]:
+    return [server.proc.pid, *server.child_pids]
+
+
+def gone(pids: list[int], timeout: float) -> list[int]:
+    """The pids still alive (zombies count as gone) after waiting up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def child(server: LiveServer, title: str) -> int:
+    """The child whose process title starts with `title` (e.g. "lockstep::scheduler DP1 TP1")."""
+    for pid in server.child_pids:
+        with contextlib.suppress(psutil.NoSuchProcess, IndexError):
+            if psutil.Process(pid).cmdline()[0].startswith(title):
+                return pid
+    raise AssertionError(f"no child titled {title!r} among {server.child_pids}")
+
+
+def kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p = psutil.Process(pid)
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+
+
+def generate(url: str, text: str = "hello there", max_new: int = 8, **extra: Any) -> dict:
+    r = requests.post(url + "/generate", headers=AUTH, timeout=120, json={
+        "text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
+                                          "ignore_eos": True}, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_scheduler_idle(url: str, timeout: float = 60.0) -> None:
+    """/flush_cache succeeds only when no request is waiting or running in any scheduler, and
+    runs the KV integrity check there (a leak is logged as "KV leak at idle")."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        info = requests.get(url + "/get_server_info", headers=AUTH, timeout=30).json()
+        if info["num_running_requests"] == 0:
+            r = requests.post(url + "/flush_cache", headers=AUTH, timeout=60)
+            if r.status_code == 200:
+                return
+            last = r.text
+        time.sleep(0.2)
+    raise AssertionError(f"the server did not become idle within {timeout} s: {last}")
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny async HTTP client: many concurrent streams, and hanging up at will
+
+
+@dataclass
+class Outcome:
+    status: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: dict | None = None
+    error: str | None = None
+    events: int = 0
+
+
+def _request_bytes(path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n").encode() + data
+
+
+async def post_generate(port: int, body: dict, hang_up_after: int | None = None,
+                        hang_up_at: float | None = None, rst: bool = False) -> Outcome:
+    """POST /generate over a raw connection. A stream is read event by event; with
+    `hang_up_after` events (or at `hang_up_at` seconds) the client disconnects: with a RST when
+    `rst`, else with a FIN."""
+    out = Outcome()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    start = time.monotonic()
+    try:
+        writer.write(_request_bytes("/generate", body))
+        await writer.drain()
+        if hang_up_after == 0 and hang_up_at is None:
+            return out
+        head = await reader.readuntil(b"\r\n\r\n")
+        out.status = int(head.split(b" ", 2)[1])
+        headers = head.decode("latin-1").lower()
+        if "transfer-encoding: chunked" not in headers:
+            length = int(re.search(r"content-length: (\d+)", headers).group(1))
+            payload = json.loads(await reader.readexactly(length))
+            if out.status != 200:
+                out.error = f"{out.status}: {payload}"
+            else:
+                out.output_ids = payload["output_ids"]
+                out.finish_reason = payload["meta_info"]["finish_reason"]
+            return out
+        buf = b""
+        while True:
+            if hang_up_after is not None and out.events >= hang_up_after:
+                return out
+            if hang_up_at is not None and time.monotonic() - start >= hang_up_at:
+                return out
+            chunk = await reader.read(65536)
+            if not chunk:
+                out.error = out.error or "stream ended without [DONE]"
+                return out
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                line = (b"\n" + event).split(b"\ndata: ", 1)[-1].strip()
+                if line == b"[DONE]":
+                    return out
+                if line.startswith(b"{"):
+                    with contextlib.suppress(ValueError):
+                        data = json.loads(line)
+                        out.events += 1
+                        out.output_ids = data.get("output_ids", out.output_ids)
+                        out.finish_reason = data.get("meta_info", {}).get("finish_reason")
+    except (OSError, asyncio.IncompleteReadError, ValueError, AttributeError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    finally:
+        if rst:
+            with contextlib.suppress(OSError):
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        else:
+            writer.close()
+            with contextlib.suppress(OSError, ConnectionError):
+                await writer.wait_closed()
+
+
+# ---------------------------------------------------------------------------------------------
+# Soak under KV pressure
+
+
+@dataclass
+class Job:
+    rid: str
+    ids: list[int]
+    max_new: int
+    stream: bool
+
+
+SOAK = {SHORT: 200, LONG: 2000}
+KV_POOL = 500  # tokens: 64 requests of up to 120 + 64 tokens do not fit
+SOAK_CONCURRENCY = 64
+
+
+def soak_jobs(tokenizer: Any, n: int, seed: int = 0) -> list[Job]:
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        ids = tokenizer(random_prompt(rng, rng.randint(2, 60))).input_ids[:120]
+        jobs.append(Job(f"soak-{i}", ids, rng.randint(1, 64), stream=rng.random() < 0.5))
+    return jobs
+
+
+def references(model_dir: str, jobs: list[Job]) -> dict[str, list[int]]:
+    """Each request run alone (batch of one) through the same scheduler code, in-process."""
+    import torch
+
+    from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sched = make_scheduler(model_dir, max_total_tokens=8192)
+        out = {}
+        for job in jobs:
+            done = run_to_completion(sched, [greedy_req(job.rid, job.ids, job.max_new)])
+            out[job.rid] = done[job.rid].output_ids
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+class RssSampler:
+    """RSS of the given processes, sampled every `period` s with the number of finished requests."""
+
+    def __init__(self, pids: dict[str, int], progress: list[int], period: float = 0.25) -> None:
+        self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.progress = progress
+        self.samples: list[tuple[int, dict[str, int]]] = []
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop_event.is_set():
+            with contextlib.suppress(psutil.Error):
+                self.samples.append((self.progress[0], {n: p.memory_info().rss
+                                                        for n, p in self.procs.items()}))
+            self.stop_event.wait(0.25)
+
+    def __enter__(self) -> RssSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.stop_event.set()
+        self.thread.join()
+
+    def growth(self, total: int) -> dict[str, tuple[float, float, float]]:
+        """Per process: (MiB at the end of the first quarter, max MiB in the last, growth)."""
+        out = {}
+        for name in self.procs:
+            first = [s[name] for done, s in self.samples if done <= total // 4]
+            last = [s[name] for done, s in self.samples if done >= total - total // 4]
+            base, peak = first[-1], max(last)
+            out[name] = (base / 2**20, peak / 2**20, peak / base - 1)
+        return out
+
+
+@pytest.fixture(scope="module")
+def pressure_server(model_dir, tmp_path_factory):
+    """A server with a KV pool small enough that 64 running requests get retracted: the soak and
+    the disconnect storm both run on it. It must still exit 0 on SIGTERM afterwards."""
+    server = LiveServer("--model-path", model_dir, *MODEL_ARGS, "--api-key", API_KEY,
+                        "--max-total-tokens", str(KV_POOL),
+                        "--max-running-requests", str(SOAK_CONCURRENCY),
+                        log_dir=tmp_path_factory.mktemp("pressure"))
+    yield server
+    server.stop()
+    assert server.proc.returncode == 0, server.log_tail()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_soak_under_kv_pressure(pressure_server, model_dir, tokenizer, form):
+    server = pressure_server
+    jobs = soak_jobs(tokenizer, SOAK[form], seed=0 if form == SHORT else 1)
+    retracted_before = server.log_text().count("KV pool full: retracted")
+    scheduler = child(server, "lockstep::scheduler")
+    # The references (each request alone, in this process) are computed meanwhile.
+    refs_pool = concurrent.futures.ThreadPoolExecutor(1)
+    refs_future = refs_pool.submit(references, model_dir, jobs)
+    done = [0]
+
+    async def run() -> list[Outcome]:
+        sem = asyncio.Semaphore(SOAK_CONCURRENCY)
+
+        async def one(job: Job) -> Outcome:
+            async with sem:
+                out = await post_generate(server.port, {
+                    "input_ids": job.ids, "rid": job.rid, "stream": job.stream,
+                    "sampling_params": {"max_new_tokens": job.max_new, "temperature": 0,
+                                        "ignore_eos": True}})
+            done[0] += 1
+            return out
+
+        return await asyncio.gather(*(one(j) for j in jobs))
+
+    start = time.monotonic()
+    with RssSampler({"front": server.proc.pid, "scheduler": scheduler}, done) as rss:
+        outcomes = asyncio.run(run())
+    took = time.monotonic() - start
+    wait_scheduler_idle(server.url)
+    time.sleep(1.0)  # a few idle steps: each runs the integrity check
+    log = server.log_text()
+    assert server.alive(), server.log_tail()
+
+    failed = [(j.rid, o.error or o.status) for j, o in zip(jobs, outcomes)
+              if o.error or o.status != 200]
+    assert not failed, f"{len(failed)} failed: {failed[:5]}"
+    lost = [j.rid for j, o in zip(jobs, outcomes)
+            if o.finish_reason != {"type": "length", "length": j.max_new}]
+    assert not lost, f"{len(lost)} requests ended early or never ended: {lost[:5]}"
+    retractions = log.count("KV pool full: retracted") - retracted_before
+    assert retractions > 0, "the KV pool was not small enough to force a retraction"
+    assert "KV leak at idle" not in log
+    assert "Traceback" not in log
+
+    refs = refs_future.result()
+    refs_pool.shutdown()
+    wrong = [j.rid for j, o in zip(jobs, outcomes) if o.output_ids != refs[j.rid]]
+    assert not wrong, f"{len(wrong)} outputs differ from the same request alone: {wrong[:5]}"
+
+    growth = rss.growth(len(jobs))
+    report(f"soak[{form}]", requests=len(jobs), concurrency=SOAK_CONCURRENCY,
+           kv_pool=KV_POOL, seconds=took, tokens=sum(j.max_new for j in jobs),
+           retractions=retractions, failed=0, lost=0, mismatched=0,
+           **{f"rss_{n}_mib": f"{a:.0f}->{b:.0f} ({g:+.1%})" for n, (a, b, g) in growth.items()})
+    for name, (_a, _b, g) in growth.items():
+        assert g < 0.05, f"{name} RSS grew {g:.1%} between the first and last quarter"
+
+
+# ---------------------------------------------------------------------------------------------
+# Disconnect storm
+
+STORM = {SHORT: 200, LONG: 2000}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_disconnect_storm(pressure_server, form):
+    """Clients hang up before the response starts, after a few events, or at a random moment,
+    with a FIN or a RST, while their requests wait, run, or are retracted (the KV pool is small)."""
+    n = STORM[form]
+    server = pressure_server
+    rng = random.Random(1)
+
+    async def storm() -> list[Outcome]:
+        async def one(i: int) -> Outcome:
+            await asyncio.sleep(rng.random() * 2.0)
+            body = {"text": random_prompt(rng, rng.randint(2, 30)), "stream": True,
+                    "sampling_params": {"max_new_tokens": rng.randint(20, 300),
+                                        "ignore_eos": True, "temperature": 0}}
+            kind = rng.random()
+            if kind < 0.2:  # gone before the first byte of the response
+                return await post_generate(server.port, body, hang_up_after=0, rst=i % 2 == 0)
+            if kind < 0.6:  # after a few events
+                return await post_generate(server.port, body, hang_up_after=rng.randint(1, 20),
+                                           rst=i % 2 == 0)
+            return await post_generate(server.port, body, hang_up_at=rng.random() * 3.0,
+                                       rst=i % 2 == 0)
+
+        sem = asyncio.Semaphore(200)
+
+        async def limited(i: int) -> Outcome:
+            async with sem:
+                return await one(i)
+
+        return await asyncio.gather(*(limited(i) for i in range(n)))
+
+    start = time.monotonic()
+    asyncio.run(storm())
+    took = time.monotonic() - start
+    t0 = time.monotonic()
+    wait_scheduler_idle(server.url, timeout=60)
+    drained = time.monotonic() - t0
+    out = generate(server.url, "after the storm", 12)
+    assert len(out["output_ids"]) == 12
+    time.sleep(1.0)
+    log = server.log_text()
+    assert server.alive()
+    assert "KV leak at idle" not in log
+    assert "Traceback" not in log, log[-3000:]
+    report(f"disconnect_storm[{form}]", clients=n, seconds=took, idle_after_s=drained)
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults
+
+KILL_VICTIMS = [
+    pytest.param("lockstep::data_parallel_controller", id="dp-controller"),
+    pytest.param("lockstep::scheduler DP1 TP1", id="scheduler-other-rank"),
+    pytest.param("lockstep::scheduler DP0 TP0", id="scheduler-rank0", marks=pytest.mark.soak),
+    pytest.param("lockstep::detokenizer", id="detokenizer", marks=pytest.mark.soak),
+]
+
+
+@pytest.mark.parametrize("victim", KILL_VICTIMS)
+def test_sigkill_of_a_child_ends_the_server(model_dir, tmp_path, victim):
+    """dp 2 x tp 2: 4 schedulers, the DP controller and the detokenizer. SIGKILL runs no Python
+    in the child: only the front process's watchdog on the children's sentinels can notice."""
+    server = LiveServer("--model-path", model_dir, *MODEL_ARGS, "--dp-size", "2", "--tp-size", "2",
+                        "--max-total-tokens", "4096", log_dir=tmp_path)
+    pids = tree(server)
+    try:
+        titles = [psutil.Process(p).cmdline()[0] for p in server.child_pids]
+        assert sum(t.startswith("lockstep::") for t in titles) == 6, titles  # (+ mp's tracker)
+        generate(server.url, "before the fault")  # (no API key on this one)
+        load = concurrent.futures.ThreadPoolExecutor(4)
+        for i in range(4):  # under load: requests in flight when the child dies
+            load.submit(lambda i=i: requests.post(server.url + "/generate", timeout=60, json={
+                "text": f"load {i}", "sampling_params": {"max_new_tokens": 2000,
+                                                         "ignore_eos": True}}))
+        time.sleep(0.5)
+        target = child(server, victim)
+        start = time.monotonic()
+        os.kill(target, signal.SIGKILL)
+        code = server.proc.wait(timeout=10)
+        took = time.monotonic() - start
+        left = gone(pids, 10)
+        load.shutdown(wait=False, cancel_futures=True)
+    finally:
+        kill_leftovers(pids)
+        server.stop()
+    assert code != 0
+    assert not left, f"processes left behind: {left}"
+    assert f"exited with code -{int(signal.SIGKILL)}" in server.log_text(), server.log_tail()
+    report(f"sigkill[{victim}]", exit_code=code, exit_seconds=took)
+
+
+STOP_VICTIMS = [
+    pytest.param("lockstep::scheduler TP1", id="tp1"),
+    pytest.param("lockstep::scheduler TP0", id="tp0", marks=pytest.mark.soak),
+]
+
+
+@pytest.mark.parametrize("victim", STOP_VICTIMS)
+def test_sigstop_of_a_scheduler_fires_the_watchdog(model_dir, tmp_path, victim):
+    """A stopped rank runs nothing, not even its own watchdog; its peer waits in a collective
+    with a batch in hand, finishes no step, and its watchdog takes the server down."""
+    timeout = 3.0
+    server = LiveServer("--model-path", model_dir, *MODEL_ARGS, "--tp-size", "2",
+                        "--watchdog-timeout", str(timeout), log_dir=tmp_path)
+    pids = tree(server)
+    try:
+        generate(server.url, "before the fault")
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        pool.submit(lambda: requests.post(server.url + "/generate", timeout=60, json={
+            "text": "a long one", "sampling_params": {"max_new_tokens": 3000,
+                                                      "ignore_eos": True}}))
+        time.sleep(1.0)
+        target = child(server, victim)
+        start = time.monotonic()
+        os.kill(target, signal.SIGSTOP)
+        code = server.proc.wait(timeout=timeout + 15)
+        took = time.monotonic() - start
+        left = gone(pids, 10)
+        pool.shutdown(wait=False, cancel_futures=True)
+    finally:
+        kill_leftovers(pids)
+        server.stop()
+    log = server.log_text()
+    assert code != 0
+    assert not left, f"processes left behind: {left}"
+    assert "watchdog: scheduler" in log and "without finishing a step" in log, log[-3000:]
+    assert "Thread 0x" in log and "File " in log, "no stack dump in the log"
+    report(f"sigstop[{victim}]", watchdog_timeout=timeout, exit_code=code, exit_seconds=took)
+
+
+def test_watchdog_fires_only_when_busy_and_stalled(tmp_path):
+    from lockstep.managers.watchdog import ForwardProgressWatchdog
+
+    fired = threading.Event()
+    dump = open(tmp_path / "stacks.txt", "w")  # noqa: SIM115
+    dog = ForwardProgressWatchdog(0.3, "test", on_fire=fired.set, dump_to=dump).start()
+    dog.step_done(busy=False)
+    assert not fired.wait(0.8), "an idle scheduler must never fire"
+    for _ in range(8):  # busy, but steps keep finishing
+        dog.step_begins(True)
+        time.sleep(0.1)
+        dog.step_done(True)
+    assert not fired.is_set()
+    dog.step_begins(True)  # a step that never finishes
+    assert fired.wait(3.0)
+    assert dog.fired
+    dump.close()
+    stacks = (tmp_path / "stacks.txt").read_text()
+    assert "test_watchdog_fires_only_when_busy_and_stalled" in stacks  # every thread's stack
+
+
+# ---------------------------------------------------------------------------------------------
+# Startup, graceful SIGTERM and the limits
+
+
+def test_health_status_follows_the_phase():
+    from lockstep.entrypoints.http_server import ServerStatus
+
+    class FakeLaunched:
+        failed = None
+
+    launched = FakeLaunched()
+    status = ServerStatus(launched)  # type: ignore[arg-type]
+    assert "starting" in status.unavailable()
+    status.phase = "ready"
+    assert status.unavailable() is None
+    launched.failed = "child process detokenizer (pid 1) exited with code -9"
+    assert "going down" in status.unavailable()
+    launched.failed = None
+    status.phase = "draining"
+    assert "shutting down" in status.unavailable()
+
+
+def test_limits_startup_and_graceful_sigterm(model_dir, tmp_path):
+    """One server: /health is 503 while it starts; the queue limit answers 503 + Retry-After;
+    SIGTERM refuses new work with 503, lets short requests finish, aborts the one that would
+    outlast --graceful-shutdown-timeout, and exits 0 with nothing left."""
+    grace = 6.0
+    server = LiveServer("--model-path", model_dir, *MODEL_ARGS, "--max-running-requests", "3",
+                        "--max-queued-requests", "1", "--graceful-shutdown-timeout", str(grace),
+                        "--max-prompt-tokens", "40", "--max-batch-size", "8",
+                        "--max-request-body-bytes", str(1 << 20), log_dir=tmp_path)
+    pids = tree(server)
+    try:
+        assert 503 in server.startup_health and server.startup_health[-1] == 200, \
+            server.startup_health
+        url = server.url
+        # Limits that answer 4xx.
+        long_prompt = " ".join(["word"] * 200)
+        r = requests.post(url + "/generate", json={"text": long_prompt}, timeout=60)
+        assert r.status_code == 400 and "--max-prompt-tokens" in r.text, r.text
+        r = requests.post(url + "/generate", json={"text": ["a"] * 5, "sampling_params": {"n": 2}},
+                          timeout=60)
+        assert r.status_code == 400 and "--max-batch-size" in r.text, r.text
+        r = requests.post(url + "/generate", json={"text": "a", "sampling_params": {"n": 17}},
+                          timeout=60)
+        assert r.status_code == 400 and "sampling_params.n" in r.text, r.text
+        r = requests.post(url + "/generate", json={
+            "text": "a", "sampling_params": {"max_new_tokens": 10**6}}, timeout=60)
+        assert r.status_code == 400 and "context length" in r.text
+        r = requests.post(url + "/generate", data=b'{"text": "' + b"a" * (2 << 20) + b'"}',
+                          timeout=60)
+        assert r.status_code == 413
+        # The queue limit: 3 running + 1 queued, then 503 with Retry-After.
+        body = {"text": "hold", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        holders = concurrent.futures.ThreadPoolExecutor(4)
+        futures = [holders.submit(requests.post, url + "/generate", json={**body, "rid": f"h{i}"},
+                                  timeout=120) for i in range(4)]
+        deadline = time.monotonic() + 30
+        while requests.get(url + "/get_server_info", timeout=10).json()[
+                "num_running_requests"] < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = requests.post(url + "/generate", json={"text": "one too many"}, timeout=60)
+        assert r.status_code == 503 and r.headers.get("Retry-After"), (r.status_code, r.text)
+        assert "--max-queued-requests" in r.json()["error"]["message"]
+        requests.post(url + "/abort_request", json={"abort_all": True}, timeout=30)
+        for f in futures:
+            f.result(timeout=60)
+        holders.shutdown()
+        wait_scheduler_idle(url)
+
+        # Graceful SIGTERM: two requests that finish in time, one that cannot.
+        async def during_drain() -> tuple[list[Outcome], list[tuple[str, int, str | None]]]:
+            def body_of(n: int) -> dict:
+                return {"text": "drain me", "stream": True,
+                        "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
+
+            tasks = [asyncio.create_task(post_generate(server.port, body_of(n)))
+                     for n in (16, 24, 4000)]
+            await asyncio.sleep(1.0)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            seen = []
+            for path in ("/health", "/generate"):
+                resp = await asyncio.to_thread(
+                    requests.request, "GET" if path == "/health" else "POST", url + path,
+                    json=None if path == "/health" else {"text": "late"}, timeout=30)
+                seen.append((path, resp.status_code, resp.headers.get("Retry-After")))
+            return list(await asyncio.gather(*tasks)), seen
+
+        start = time.monotonic()
+        outcomes, seen = asyncio.run(during_drain())
+        code = server.proc.wait(timeout=grace + 20)
+        took = time.monotonic() - start
+        left = gone(pids, 10)
+    finally:
+        kill_leftovers(pids)
+        server.stop()
+    assert seen == [("/health", 503, "1"), ("/generate", 503, "1")], seen
+    assert [o.finish_reason and o.finish_reason["type"] for o in outcomes] == \
+        ["length", "length", "abort"], outcomes
+    assert code == 0, server.log_tail()
+    assert not left
+    assert "aborting them" in server.log_text()
+    report("graceful_sigterm", grace_s=grace, exit_seconds=took, finished=2, aborted=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# API fuzzing
+
+FUZZ_ARGS = ("--context-length", "64", "--max-total-tokens", "4096", "--api-key", API_KEY,
+             "--max-request-body-bytes", str(16 << 20))
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(model_dir, tmp_path_factory):
+    server = LiveServer("--model-path", model_dir, *MODEL_ARGS, *FUZZ_ARGS,
+                        log_dir=tmp_path_factory.mktemp("fuzz"))
+    yield server
+    server.stop()
+
+
+def _assert_healthy(server: LiveServer) -> None:
+    assert server.alive(), server.log_tail()
+    out = generate(server.url, "still serving", 4)
+    assert len(out["output_ids"]) == 4
+    log = server.log_text()
+    assert "Traceback" not in log and "crashed" not in log, log[-3000:]
+    assert "KV leak at idle" not in log
+
+
+SCHEMATHESIS = {SHORT: ["--phases", "examples,fuzzing,stateful", "--max-examples", "10"],
+                LONG: ["--max-examples", "300"]}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_schemathesis_over_every_route(fuzz_server, tmp_path, form):
+    schema = requests.get(fuzz_server.url + "/openapi.json", headers=AUTH, timeout=30).json()
+    operations = sum(len(ops) for ops in schema["paths"].values())
+    assert operations >= 15 and "/generate" in schema["paths"]
+    exe = Path(sys.executable).with_name("schemathesis")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [str(exe), "run", fuzz_server.url + "/openapi.json", "--checks", "not_a_server_error",
+         "-H", f"Authorization: Bearer {API_KEY}", "--request-timeout", "120", "--seed", "0",
+         "--suppress-health-check", "all", "--no-color", *SCHEMATHESIS[form]],
+        cwd=tmp_path, capture_output=True, text=True, timeout=3000)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
+    cases = re.search(r"(\d+) generated", proc.stdout)
+    report(f"schemathesis[{form}]", operations=operations,
+           cases=int(cases.group(1)) if cases else "?", seconds=took)
+    _assert_healthy(fuzz_server)
+
+
+def _nest(depth: int, leaf: bytes = b"1") -> bytes:
+    return b"[" * depth + leaf + b"]" * depth
+
+
+SP = "sampling_params"
+HOSTILE_JSON: list[tuple[str, str, Any]] = [
+    # (name, path, body): bodies are dicts (sent as JSON) or bytes (sent as they are)
+    ("deep nesting 100k", "/generate", b'{"text": ' + _nest(100_000) + b"}"),
+    ("deep nesting body", "/v1/completions", _nest(1_000_000)),
+    ("deep nesting 900 in Any", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "a"}], "tool_choice": '
+     + b'{"a": ' * 900 + b"1" + b"}" * 900 + b"}"),
+    ("deep nesting in logit_bias", "/v1/completions",
+     b'{"prompt": "a", "logit_bias": ' + b'{"a": ' * 900 + b"1" + b"}" * 900 + b"}"),
+    ("huge int", "/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": '
+     + b"9" * 5000 + b"}}"),
+    ("huge float", "/generate", b'{"text": "a", "sampling_params": {"temperature": 1e999}}'),
+    ("NaN", "/generate", b'{"text": "a", "sampling_params": {"temperature": NaN}}'),
+    ("Infinity", "/v1/completions", b'{"prompt": "a", "top_p": -Infinity}'),
+    ("NaN string", "/generate", {"text": "a", SP: {"temperature": "NaN"}}),
+    ("top_k 2**63", "/generate", {"text": "a", SP: {"top_k": 2**63, "max_new_tokens": 2}}),
+    ("top_k 2**200", "/generate", {"text": "a", SP: {"top_k": 2**200, "max_new_tokens": 2}}),
+    ("seed 2**64", "/generate", {"text": "a", SP: {"seed": 2**64}}),
+    ("seed -2**63", "/generate", {"text": "a", SP: {"seed": -(2**63), "n": 3,
+                                                     "max_new_tokens": 2}}),
+    ("logprob_start_len 10**18", "/generate", {"text": "a b", "return_logprob": True,
+                                               "logprob_start_len": 10**18}),
+    ("temperature 1e308", "/generate", {"text": "a", SP: {"temperature": 1e308}}),
+    ("temperature 1e-308", "/generate", {"text": "a", SP: {"temperature": 1e-308}}),
+    ("repetition_penalty 1e308", "/generate", {"text": "a", SP: {"repetition_penalty": 1e308}}),
+    ("repetition_penalty 1e-308", "/generate",
+     {"text": "a", SP: {"repetition_penalty": 1e-308, "temperature": 1}}),
+    ("top_p 5e-324", "/generate", {"text": "a", SP: {"top_p": 5e-324}}),
+    ("min_p 1", "/generate", {"text": "a", SP: {"min_p": 1.0}}),
+    ("stop_token_ids int32 max", "/generate", {"text": "a", SP: {"stop_token_ids": [2**31 - 1]}}),
+    ("max_new_tokens 0 with logprobs", "/generate",
+     {"text": "a b", "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20,
+      SP: {"max_new_tokens": 0}}),
+    ("invalid UTF-8", "/generate", b'{"text": "\xff\xfe\xc3\x28"}'),
+    ("lone surrogate", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\udc80"}]}'),
+    ("NUL and control characters", "/generate",
+     {"text": "".join(chr(i) for i in range(32)) + "\x7f\u200b\ufeff\U0010ffff",
+      SP: {"stop": ["\x00", "\x1b[31m"]}}),
+    ("control characters in rid", "/generate", {"text": "a", "rid": "\x00\r\n\x1b[2J"}),
+    ("control characters in chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "\x00\x01\x02"}], "max_tokens": 4}),
+    ("10 MB text", "/generate", {"text": "a " * 5_000_000}),
+    ("10 MB prompt", "/v1/completions", {"prompt": "x" * 10_000_000, "max_tokens": 1}),
+    ("10 MB chat message", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "y" * 10_000_000}]}),
+    ("10 MB stop string", "/generate", {"text": "a", SP: {"stop": ["z" * 10_000_000]}}),
+    ("10 MB rid", "/generate", {"text": "a", "rid": "r" * 10_000_000}),
+    ("10 MB model name", "/v1/completions", {"model": "m" * 10_000_000, "prompt": "a"}),
+    ("1M input ids", "/generate", {"input_ids": [5] * 1_000_000}),
+    ("100k-prompt batch", "/generate", {"text": ["a"] * 100_000, SP: {"max_new_tokens": 1}}),
+    ("over the body limit", "/generate", b'{"text": "' + b"a" * (17 << 20) + b'"}'),
+    ("not an object", "/abort_request", b"[1, 2, 3]"),
+    ("null body", "/v1/completions", b"null"),
+    ("abort_all wrong type", "/abort_request", {"abort_all": "yes"}),
+]
+
+
+def _hostile_raw(port: int) -> list[tuple[str, bytes]]:
+    """Malformed HTTP on a raw socket: (name, bytes sent)."""
+    body = b'{"text": "a"}'
+    auth = f"Authorization: Bearer {API_KEY}\r\n".encode()
+    return [
+        ("Content-Length larger than the body",
+         b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 1000\r\n\r\n" + body),
+        ("Content-Length smaller than the body",
+         b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 3\r\n\r\n" + body),
+        ("negative Content-Length", b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: -5\r\n\r\n"),
+        ("chunked body over the limit",
+         b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Transfer-Encoding: chunked\r\n\r\n"
+         + (b"100000\r\n" + b"a" * 0x100000 + b"\r\n") * 17 + b"0\r\n\r\n"),
+        ("garbage request line", b"\x00\x01\x02 / HTTP/9.9\r\n\r\n"),
+        ("64 KB header", b"GET /get_server_info HTTP/1.1\r\nHost: x\r\n" + auth
+         + b"X-Big: " + b"a" * 65536 + b"\r\n\r\n"),
+        ("64 KB URL", b"GET /" + b"a" * 65536 + b" HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n"),
+        ("path traversal", b"GET /v1/models/../../../etc/passwd HTTP/1.1\r\nHost: x\r\n" + auth
+         + b"\r\n"),
+        ("NUL in the path", b"GET /v1/models/a%00b HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n"),
+    ]
+
+
+def _raw_status(port: int, data: bytes) -> int | None:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        with contextlib.suppress(OSError):
+            sock.sendall(data)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                reply += chunk
+    match = re.match(rb"HTTP/1\.[01] (\d{3})", reply)
+    return int(match.group(1)) if match else None  # None: the server closed the connection
+
+
+def test_hostile_inputs(fuzz_server):
+    server = fuzz_server
+    results = []
+    for name, path, body in HOSTILE_JSON:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        start = time.monotonic()
+        try:
+            r = requests.post(server.url + path, data=data, timeout=120,
+                              headers={**AUTH, "Content-Type": "application/json"})
+            status = r.status_code
+        except requests.ConnectionError:  # the server may refuse an oversized body mid-send
+            status = None
+        results.append((name, status, time.monotonic() - start))
+    for name, data in _hostile_raw(server.port):
+        results.append((name, _raw_status(server.port, data), 0.0))
+    server_errors = [(n, s) for n, s, _t in results if s is not None and s >= 500]
+    assert not server_errors, server_errors
+    slow = [(n, round(t, 1)) for n, s, t in results if t > 10]
+    assert not slow, f"hostile inputs that took long to refuse: {slow}"
+    report("hostile_inputs", inputs=len(results),
+           statuses=",".join(sorted({str(s) for _n, s, _t in results})))
+    _assert_healthy(server)
