@@ -76,11 +76,15 @@ def test_dispatch_methods_with_live_replicas(tiny_model_dirs):
     try:
         async def sq():
             tm = launched.tokenizer_manager
-            long = asyncio.ensure_future(_send(tm, prompt(8), 3000))
-            await asyncio.sleep(1.0)  # the long request is running and its replica has reported it
+            req = GenerateReqInput(input_ids=prompt(8), sampling_params={
+                "max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
+            stream = tm.generate(req)
+            long = (await stream.__anext__())["meta_info"]  # it is decoding on its replica
+            await asyncio.sleep(0.5)  # ... which has reported the load by now
             first = await _send(tm, prompt(8), 2)
             second = await _send(tm, prompt(8), 2)
-            return await long, first, second
+            await stream.aclose()  # aborts the long request
+            return long, first, second
         long, first, second = asyncio.run(sq())
         assert first["dp_rank"] != long["dp_rank"] and second["dp_rank"] != long["dp_rank"]
     finally:
