@@ -96,7 +96,7 @@ def test_dispatch_methods_with_live_replicas(tiny_model_dirs):
 
         async def ca():
             out = []
-            for i in range(0, 20, 4):  # 4 at a time: load stays within the balance threshold
+            for _batch in range(5):  # 4 at a time: load stays within the balance threshold
                 out += await asyncio.gather(*(_send(launched.tokenizer_manager, shared + prompt(8), 4)
                                               for _ in range(4)))
             return out

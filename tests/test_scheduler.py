@@ -8,8 +8,8 @@ import random
 import pytest
 
 from lockstep.managers.io_struct import AbortReq
-from lockstep.managers.schedule_policy import order_waiting
 from lockstep.managers.schedule_batch import Req
+from lockstep.managers.schedule_policy import order_waiting
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.tiny_models import make_tiny_model
 
