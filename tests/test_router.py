@@ -190,39 +190,16 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("router")
 
 
-class _ParallelServer(LiveServer):
-    """LiveServer split in two so that several start at once: spawned here, in the main thread
-    (their parent-death signal fires when the spawning *thread* ends), then waited for."""
-
-    def __init__(self, *args: str, log_dir: Path) -> None:  # noqa: D107 - no wait here
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "lockstep.launch_server", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
-        self.child_pids: list[int] = []
-
-    def wait_ready(self, timeout: float) -> None:
-        self._wait_healthy(timeout)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            self.child_pids = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
-
-
-def _die_with_parent() -> None:
-    from lockstep.utils.process import die_with_parent
-
-    die_with_parent()
-
-
 def _start_servers(count: int, log_dir: Path) -> list[LiveServer]:
     model = str(make_tiny_model("llama"))
-    started = [_ParallelServer("--model-path", model, *SERVER_ARGS, log_dir=log_dir)
+    # Spawned here, in the main thread (their parent-death signal fires when the spawning thread
+    # ends), then waited for: several start at once.
+    started = [LiveServer("--model-path", model, *SERVER_ARGS, log_dir=log_dir, wait=False,
+                          startup_timeout=240)
                for _ in range(count)]
     try:
         for s in started:
-            s.wait_ready(240)
+            s.wait_ready()
     except BaseException:
         for s in started:
             s.stop()
