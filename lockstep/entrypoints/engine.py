@@ -159,7 +159,7 @@ def _wait_ready(proc: mp.Process, reader, timeout: float) -> dict[str, Any]:
 
 
 def install_signal_handlers(launched: Launched, exit_code_on_child_death: int = 1) -> None:
-    """SIGTERM/SIGINT end everything; SIGQUIT from a crashed child ends the server non-zero."""
+    """SIGTERM/SIGINT end everything (exit 0); SIGQUIT ends everything non-zero; a dead child too."""
 
     def terminate(signum: int, _frame: Any) -> None:
         launched.shutdown()

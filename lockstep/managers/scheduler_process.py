@@ -7,7 +7,6 @@ import hashlib
 import logging
 import multiprocessing as mp
 import os
-import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -81,8 +80,8 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
         event_loop(args, sched, world_group, recv, send, load)
     except Exception:  # noqa: BLE001
         logger.error("scheduler TP%d crashed:\n%s", tp_rank, traceback.format_exc())
-        # Bring the whole server down loudly, as SGLang does with SIGQUIT to the parent.
-        os.kill(os.getppid(), signal.SIGQUIT)
+        # Exit non-zero: the launcher's child watch brings the whole server down. SGLang sends
+        # SIGQUIT to the parent instead, which would kill a user's process hosting an Engine.
         sys.exit(1)
 
 

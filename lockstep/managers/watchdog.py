@@ -5,8 +5,10 @@ The event loop reports each step: `step_begins(busy)` once the step's inputs are
 waiting or running). A daemon thread watches the clock: when the scheduler has been busy for
 `timeout` seconds without finishing a step (a hung collective, a peer rank that stopped, a
 forward that never returns) it logs why, dumps every thread's stack with faulthandler, and
-brings the whole server down: SIGQUIT to the parent (the front process ends everything, non-zero)
-and this process exits at once. An idle scheduler blocked waiting for input never fires.
+exits this process at once with code 1. The launcher's child watch (entrypoints/engine.py) sees
+the exit within a second and brings the whole server down. No signal goes to the parent: under
+the offline Engine the parent is the user's own Python process, which a signal would kill.
+An idle scheduler blocked waiting for input never fires.
 
 Only the wall clock of this thread is read here; nothing of it enters a scheduling decision.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 
 def _bring_server_down() -> None:
-    os.kill(os.getppid(), signal.SIGQUIT)
     os._exit(1)
 
 
