@@ -66,8 +66,10 @@ class ServerArgs:
     enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run prefill chunks and decodes in one batch."})
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = field(default=False, metadata={
-        "help": "Accepted for SGLang compatibility. Overlap scheduling is not implemented yet: "
-                "the plain step loop always runs, so this flag changes nothing."})
+        "help": "Run the plain step loop: schedule, run the batch, process its result, in turn. "
+                "By default the overlap loop runs the model on a forward thread while the "
+                "scheduler processes the previous batch's result and prepares the next batch "
+                "(never with --pp-size > 1); see docs/architecture.md."})
     new_token_ratio: float = field(default=0.7, metadata={"help": "Initial estimate of max_new_tokens actually used."})
     random_seed: int = 0
     enable_lockstep_check: int = field(
@@ -117,6 +119,13 @@ class ServerArgs:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether the schedulers run the overlap loop, resolved from the flags above.
+        Pipeline stages exchange hidden states and sampled tokens on the forward path, which a
+        forward thread would interleave with the scheduler's own collectives: plain loop there."""
+        return not self.disable_overlap_schedule and self.pp_size == 1
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -3,6 +3,11 @@
 A request's tokens are `fill_ids` = prompt + generated. `cached_len` of them have KV in the
 request's row of the req->token table; a step extends that to `device_len`. The same two
 numbers describe prefill, chunked prefill, extend-from-prefix, decode and resume-after-retract.
+
+With overlap scheduling a batch is launched before the previous one's result is processed:
+`cached_len` moves to `device_len` at launch (the forward thread runs batches in order, so any
+later batch sees that KV), and a token still being sampled is `future_token`, a placeholder
+that the next decode step uses as its input. `output_ids` only ever holds real tokens.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     retractions: int = 0
     sent_len: int = 0  # output tokens already reported
+    # Overlap scheduling: placeholder (< 0) of the token a launched, unprocessed batch samples.
+    future_token: int | None = None
     # logprobs accumulated since the last report
     out_logprobs: list[tuple[float, int]] = field(default_factory=list)
     out_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -64,6 +71,11 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def sampled_len(self) -> int:
+        """Tokens sampled so far, counting one still in flight: the sampler's step number."""
+        return len(self.output_ids) + (self.future_token is not None)
 
     @property
     def extend_len(self) -> int:
@@ -103,6 +115,8 @@ class ScheduleBatch:
     samples: list[bool] = field(default_factory=list)
     out_cache_loc: torch.Tensor | None = None  # KV slots for this step's new tokens
     worker_batch: ModelWorkerBatch | None = None
+    # Tokens each request computes, recorded when scheduled (an overlap launch moves cached_len).
+    extend_lens: list[int] = field(default_factory=list)
 
     def fingerprint(self) -> str:
         desc = repr((self.mode.value, [(r.rid, r.cached_len, r.device_len) for r in self.reqs]))
@@ -118,6 +132,8 @@ class ScheduleBatch:
         prompt_targets: list[int] = []
         for req, samples in zip(self.reqs, self.samples):
             fill = req.fill_ids
+            if req.future_token is not None:  # sampled by the batch in flight: resolved on the thread
+                fill = fill + [req.future_token]
             start = len(ids)
             ids.extend(fill[req.cached_len:req.device_len])
             positions.extend(range(req.cached_len, req.device_len))
@@ -173,7 +189,7 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
         temperatures=f([0.0 if p.is_greedy else p.temperature for p in ps]),
         top_ps=f([p.top_p for p in ps]), top_ks=i(top_ks), min_ps=f([p.min_p for p in ps]),
         seeds=i([request_seed(r, base_seed) for r in reqs]),
-        steps=i([len(r.output_ids) for r in reqs]),
+        steps=i([r.sampled_len for r in reqs]),
         all_greedy=all(p.is_greedy for p in ps),
         need_filter=any(p.top_p < 1 or k < vocab or p.min_p > 0 for p, k in zip(ps, top_ks)),
     )

@@ -1,6 +1,8 @@
 """The scheduler: one per rank, all deciding identically from the same inputs.
 
 Each step: process inputs -> get_next_batch_to_run -> run on the worker -> process results.
+With overlap scheduling the worker runs on a forward thread: the step launches its batch, then
+processes the previous step's result while that batch computes (see `_step_overlap`).
 Nothing here reads wall-clock time, iterates a set, or draws unseeded randomness: two
 schedulers fed the same inputs make the same batches (see `fingerprints`).
 """
@@ -25,6 +27,7 @@ from lockstep.managers.io_struct import (
 from lockstep.managers.schedule_batch import Req, ReqState, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
 from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from lockstep.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from lockstep.mem_cache.radix_cache import ChunkCache, RadixCache
 from lockstep.model_executor.forward_batch import ForwardMode
 from lockstep.server_args import ServerArgs
@@ -49,6 +52,16 @@ class SchedulerStats:
     cached_tokens: int = 0
     retractions: int = 0
     generated_tokens: int = 0
+    overlapped_steps: int = 0  # steps that processed a result while the next batch computed
+
+
+@dataclass
+class InFlight:
+    """A batch launched on the forward thread whose result is not processed yet."""
+
+    batch: ScheduleBatch
+    seq: int  # launch number
+    futures: list[int]  # placeholder of each token it samples, in sampling-row order
 
 
 class Scheduler:
@@ -82,6 +95,15 @@ class Scheduler:
         self.before_run: Callable[[int, str], None] | None = None
         self.perturb = False
         self.dp_rank = 0  # fault injection for the lockstep check's own test
+        # Overlap scheduling (args.overlap_schedule): at most one batch in flight at a step's
+        # start. Request rows freed while a launched batch may still read them are parked
+        # (with the launch number they wait for) so no new request reuses them too early.
+        self.overlap = args.overlap_schedule
+        self.worker_client = (TpModelWorkerClient(worker, args.max_running_requests + 1)
+                              if self.overlap else None)
+        self.inflight: InFlight | None = None
+        self._launched = self._completed = 0
+        self._parked_rows: list[tuple[int, int]] = []
 
     # ---- inputs -------------------------------------------------------------------------
     def process_inputs(self, msgs: Iterable[Any]) -> None:
@@ -133,6 +155,7 @@ class Scheduler:
                 self._finish(req, reason)
 
     def flush_cache(self) -> FlushCacheOut:
+        self._sync()  # the tree may not change under a batch in flight
         if self.waiting or self.running or self.chunked_req:
             return FlushCacheOut(False, "cannot flush the cache while requests are running")
         self.tree.reset()
@@ -142,19 +165,82 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
     def step(self, msgs: Iterable[Any] = ()) -> list[ReqOutput]:
         self.process_inputs(msgs)
-        batch = self.get_next_batch_to_run()
-        if self.before_run is not None:
-            self.before_run(self.step_count, batch.fingerprint() if batch else "idle")
-        if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
-        elif self.is_idle():
-            self.check_integrity()
+        if self.overlap:
+            self._step_overlap()
+        else:
+            self._step_plain()
         self.step_count += 1
         return self.take_outputs()
 
+    def _step_plain(self) -> None:
+        batch = self.get_next_batch_to_run()
+        self._before_run(batch)
+        if batch is not None:
+            self.process_batch_result(batch, self.run_batch(batch))
+        elif self.is_idle():
+            self.check_integrity()
+
+    def _step_overlap(self) -> None:
+        """Launch this step's batch, then process the previous one's result while it computes.
+
+        The previous result is always awaited at this same point of the step, whatever the
+        thread's timing, so every rank makes the same decisions. Some steps need that result
+        before they can schedule, and resolve it first (`_sync`), which is the plain loop's
+        order: after a prefill or mixed batch (its result adds requests to `running` and
+        rewrites their rows when their prompt goes to the prefix tree, and a chunked prefill's
+        end samples the first token), and in `_decode_batch` when the KV pool is short (a
+        retraction must see real outputs) or a request uses penalties (they count its outputs).
+        """
+        if self.inflight is not None and self.inflight.batch.mode != ForwardMode.DECODE:
+            self._sync()
+        batch = self.get_next_batch_to_run()
+        self._before_run(batch)
+        prev, self.inflight = self.inflight, None
+        if batch is not None:
+            self.inflight = self._launch(batch)
+        if prev is not None:
+            self.stats.overlapped_steps += batch is not None
+            self._complete(prev)
+        if batch is None and self.is_idle():
+            self.check_integrity()
+
+    def _before_run(self, batch: ScheduleBatch | None) -> None:
+        if self.before_run is not None:
+            self.before_run(self.step_count, batch.fingerprint() if batch else "idle")
+
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         return self.worker.forward_batch_generation(batch.worker_batch)
+
+    def _launch(self, batch: ScheduleBatch) -> InFlight:
+        assert self.worker_client is not None
+        futures = self.worker_client.submit(batch.worker_batch)
+        sampled = iter(futures)
+        for req, samples in zip(batch.reqs, batch.samples):
+            # The forward thread writes this KV before any later batch runs: later steps may
+            # build on it now. The sampled token is known only by its placeholder until then.
+            req.cached_len = req.device_len
+            if samples:
+                req.future_token = next(sampled)
+        self._launched += 1
+        return InFlight(batch, self._launched, futures)
+
+    def _complete(self, done: InFlight) -> None:
+        """Wait for a launched batch (the oldest in flight) and process its result."""
+        assert self.worker_client is not None
+        res = self.worker_client.result()
+        self._completed = done.seq
+        still = [(seq, row) for seq, row in self._parked_rows if seq > done.seq]
+        for seq, row in self._parked_rows:
+            if seq <= done.seq:
+                self.req_to_token_pool.free(row)
+        self._parked_rows = still
+        self.process_batch_result(done.batch, res, done.futures)
+
+    def _sync(self) -> None:
+        """Resolve the batch in flight, if any: the plain loop's state from here on."""
+        if self.inflight is not None:
+            done, self.inflight = self.inflight, None
+            self._complete(done)
 
     def take_outputs(self) -> list[ReqOutput]:
         out, self._pending = self._pending, []
@@ -167,7 +253,7 @@ class Scheduler:
         return running, len(self.waiting), used
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req)
+        return not (self.waiting or self.running or self.chunked_req or self.inflight)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         self._decay_ratio()
@@ -184,6 +270,7 @@ class Scheduler:
         if self.perturb and len(batch.reqs) > 1:
             batch.reqs.reverse()
             batch.samples.reverse()
+        batch.extend_lens = [r.extend_len for r in batch.reqs]
         batch.worker_batch = batch.to_worker_batch(
             self.req_to_token_pool.req_to_token, batch.out_cache_loc, self.vocab_size,
             self.args.random_seed, self.device)
@@ -289,9 +376,18 @@ class Scheduler:
 
     # ---- decode and retraction ----------------------------------------------------------
     def _decode_batch(self) -> ScheduleBatch | None:
+        if self.inflight is not None and any(_counts_outputs(r) for r in self.running):
+            self._sync()  # penalties need every output token, not a placeholder
         if not self.running:
             return None
         loc = self._alloc(len(self.running))
+        if loc is None and self.inflight is not None:
+            # Retraction picks by real outputs and must not drop a token in flight: resolve
+            # first (finished requests may also free enough KV).
+            self._sync()
+            if not self.running:
+                return None
+            loc = self._alloc(len(self.running))
         while loc is None:
             self._retract_one()
             if not self.running:
@@ -320,19 +416,26 @@ class Scheduler:
         self.new_token_ratio = max(floor, self.new_token_ratio - step)
 
     # ---- results ------------------------------------------------------------------------
-    def process_batch_result(self, batch: ScheduleBatch, res: GenerationBatchResult) -> None:
+    def process_batch_result(self, batch: ScheduleBatch, res: GenerationBatchResult,
+                             futures: list[int] | None = None) -> None:
         sampled = 0
         for i, req in enumerate(batch.reqs):
-            if req.finished:  # aborted while the batch ran
+            j = sampled
+            sampled += batch.samples[i]
+            if batch.samples[i] and futures is not None and req.future_token == futures[j]:
+                req.future_token = None  # no later batch of this request was launched yet
+            # Finished already: aborted while the batch ran or, with overlap, finished by the
+            # previous batch. Its token here is dropped; its KV was released then, once.
+            if req.finished:
                 continue
-            self.stats.prefill_tokens += req.extend_len if batch.mode != ForwardMode.DECODE else 0
-            req.cached_len = req.device_len
+            if batch.mode != ForwardMode.DECODE:
+                self.stats.prefill_tokens += batch.extend_lens[i]
+            req.cached_len = req.device_len  # already so when an overlap launch moved it
             if res.prompt_logprobs and res.prompt_logprobs[i] is not None:
                 self._add_prompt_logprobs(req, res, i)
             if not batch.samples[i]:
                 self._cache_unfinished(req)
                 continue
-            j, sampled = sampled, sampled + 1
             was_prefill = req.state == ReqState.PREFILL
             if req.sampling_params.max_new_tokens == 0:
                 self._end(req, {"type": "length", "length": 0})
@@ -432,9 +535,16 @@ class Scheduler:
         if req.device_len > req.cached_len:
             row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
             self.allocator.free(row[req.cached_len:req.device_len].clone())
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.last_node = None, None
+        self._free_row(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.future_token = None, None, None
         req.cached_len = req.device_len = req.prefix_len = 0
+
+    def _free_row(self, row: int) -> None:
+        """A launched batch may still read this row: park it until that batch is done."""
+        if self._launched > self._completed:
+            self._parked_rows.append((self._launched, row))
+        else:
+            self.req_to_token_pool.free(row)
 
     def check_integrity(self) -> None:
         free = self.allocator.available_size()
@@ -449,6 +559,11 @@ class Scheduler:
         if self.strict_integrity:
             raise KVLeakError(msg)
         logger.error(msg)
+
+
+def _counts_outputs(req: Req) -> bool:
+    p = req.sampling_params
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
 
 
 def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
