@@ -66,10 +66,14 @@ class ServerArgs:
     enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run prefill chunks and decodes in one batch."})
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = field(default=False, metadata={
-        "help": "Run the plain step loop: schedule, run the batch, process its result, in turn. "
-                "By default the overlap loop runs the model on a forward thread while the "
-                "scheduler processes the previous batch's result and prepares the next batch "
-                "(never with --pp-size > 1); see docs/architecture.md."})
+        "help": "Run the plain step loop (schedule, run the batch, process its result, in turn) "
+                "where overlap scheduling is the default: --device cuda. The overlap loop runs "
+                "the model on a forward thread while the scheduler processes the previous "
+                "batch's result and prepares the next one (never with --pp-size > 1)."})
+    enable_overlap_schedule: bool = field(default=False, metadata={
+        "help": "Run the overlap loop on --device cpu too, where it is off by default: there the "
+                "scheduler is <1%% of a step, so it gained nothing measurable "
+                "(docs/benchmarks.md)."})
     new_token_ratio: float = field(default=0.7, metadata={"help": "Initial estimate of max_new_tokens actually used."})
     random_seed: int = 0
     enable_lockstep_check: int = field(
@@ -115,6 +119,8 @@ class ServerArgs:
                 problems.append(f"--{name.replace('_', '-')} must be >= 0")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             problems.append("--max-prompt-tokens must be >= 1")
+        if self.disable_overlap_schedule and self.enable_overlap_schedule:
+            problems.append("--disable-overlap-schedule and --enable-overlap-schedule contradict")
         if not 0 < self.mem_fraction_static < 1:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:
@@ -122,10 +128,13 @@ class ServerArgs:
 
     @property
     def overlap_schedule(self) -> bool:
-        """Whether the schedulers run the overlap loop, resolved from the flags above.
+        """Whether the schedulers run the overlap loop, resolved from the flags and the device:
+        on for cuda, off for cpu (where it did not pay) unless --enable-overlap-schedule.
         Pipeline stages exchange hidden states and sampled tokens on the forward path, which a
         forward thread would interleave with the scheduler's own collectives: plain loop there."""
-        return not self.disable_overlap_schedule and self.pp_size == 1
+        if self.disable_overlap_schedule or self.pp_size > 1:
+            return False
+        return self.device == "cuda" or self.enable_overlap_schedule
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

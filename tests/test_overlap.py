@@ -21,8 +21,10 @@ def model_dir(tiny_model_dirs):
 
 
 def _sched(model_dir, overlap: bool, **kw):
+    """Overlap is off by default on cpu (it does not pay there), so force it either way."""
     kw.setdefault("max_total_tokens", 4096)
-    return make_scheduler(model_dir, disable_overlap_schedule=not overlap, **kw)
+    flag = "enable_overlap_schedule" if overlap else "disable_overlap_schedule"
+    return make_scheduler(model_dir, **{flag: True}, **kw)
 
 
 def _both(model_dir, schedule, **kw):
@@ -222,9 +224,13 @@ def test_forward_thread_failure_reaches_the_scheduler(model_dir, monkeypatch):
 
 
 def test_resolved_setting():
-    assert ServerArgs().overlap_schedule
-    assert not ServerArgs(disable_overlap_schedule=True).overlap_schedule
-    assert not ServerArgs(pp_size=2).overlap_schedule
+    assert ServerArgs(device="cuda").overlap_schedule
+    assert not ServerArgs(device="cpu").overlap_schedule
+    assert ServerArgs(device="cpu", enable_overlap_schedule=True).overlap_schedule
+    assert not ServerArgs(device="cuda", disable_overlap_schedule=True).overlap_schedule
+    assert not ServerArgs(device="cuda", pp_size=2).overlap_schedule
+    with pytest.raises(ValueError, match="contradict"):
+        ServerArgs(enable_overlap_schedule=True, disable_overlap_schedule=True)
 
 
 def test_tp2_processes_with_overlap_match_a_single_rank(model_dir):
@@ -235,7 +241,7 @@ def test_tp2_processes_with_overlap_match_a_single_rank(model_dir):
     prompts = [_prompt(rng, rng.randint(4, 30)) for _ in range(5)]
     ref = run_to_completion(_sched(model_dir, False), [greedy_req(f"r{i}", p, 12) for i, p in enumerate(prompts)])
     args = ServerArgs(model_path=str(model_dir), dtype="float32", tp_size=2, max_total_tokens=4096,
-                      enable_lockstep_check=1)
+                      enable_lockstep_check=1, enable_overlap_schedule=True)
     assert args.overlap_schedule
     launched = launch_subprocesses(args)
     try:

@@ -117,6 +117,9 @@ def event_loop(args: ServerArgs, sched: Scheduler, world: ParallelGroup, recv: z
     # A busy scheduler that finishes no step for --watchdog-timeout s takes the server down.
     watchdog = ForwardProgressWatchdog(args.watchdog_timeout, mp.current_process().name).start()
     last_load: tuple[int, int, int] | None = None
+    # sched.step runs the overlap loop (model on a forward thread, previous result processed
+    # while it computes) or the plain one; either way one call is one deterministic step.
+    logger.info("step loop: %s", "overlap" if sched.overlap else "plain")
     while True:
         msgs = recv_requests(recv, block=sched.is_idle())
         msgs = broadcast_pyobj(msgs, world)
