@@ -90,6 +90,9 @@ class LockstepBench:
             chunked_prefill_size=-1,  # one prefill step for the whole batch
             disable_radix_cache=True,  # every run computes its prompts from scratch
             random_seed=seed,
+            # One step = one forward here: the overlap loop would report a step's result a step
+            # later, and what this measures is the forward itself.
+            disable_overlap_schedule=True,
         )
         self.sched = create_scheduler(args)
         self.dtype = self.sched.worker.runner.dtype
