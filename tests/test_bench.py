@@ -110,6 +110,17 @@ def test_metrics_hand_computed() -> None:
     assert m.max_itl_ms == pytest.approx(200.0)
     assert m.mean_e2e_latency_ms == pytest.approx(550.0)
     assert m.median_e2e_latency_ms == pytest.approx(550.0)
+    assert m.prefix_cache_hit_rate is None  # no server said
+
+
+def test_prefix_cache_hit_rate_counts_only_requests_that_report_it() -> None:
+    outs = [
+        RequestOutput(success=True, prompt_len=100, output_len=1, cached_tokens=60),
+        RequestOutput(success=True, prompt_len=50, output_len=1, cached_tokens=0),
+        RequestOutput(success=True, prompt_len=1000, output_len=1),  # not reported
+        RequestOutput(success=False, prompt_len=80, cached_tokens=80),  # failed
+    ]
+    assert calculate_metrics(outs, duration_s=1.0).prefix_cache_hit_rate == pytest.approx(60 / 150)
 
 
 def test_metrics_all_failed_is_not_a_crash() -> None:
@@ -217,6 +228,8 @@ def test_serving_client_against_live_server(live_server: int, tiny_llama: Path, 
     assert record["total_output"] == 8 * 6  # ignore_eos: exactly the requested lengths
     assert record["total_input"] == 8 * 24
     assert record["mean_ttft_ms"] > 0 and record["mean_itl_ms"] > 0
+    if backend == "lockstep":  # the native route reports cached prompt tokens
+        assert 0 <= record["prefix_cache_hit_rate"] < 1
 
 
 def test_cli_dispatches_benchmarks(capsys) -> None:

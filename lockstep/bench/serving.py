@@ -61,6 +61,7 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)  # s
     start_time: float = 0.0  # s since the benchmark started
     error: str = ""
+    cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,6 +124,8 @@ async def request_native(session: Any, url: str, req: RequestInput, headers: dic
                     last_t, last_n = now, n
                 if meta.get("prompt_tokens"):
                     out.prompt_len = meta["prompt_tokens"]
+                if meta.get("cached_tokens") is not None:
+                    out.cached_tokens = meta["cached_tokens"]
         out.latency = time.perf_counter() - st
         out.generated_text, out.output_len = text, last_n
         out.success = last_n > 0 or req.output_len == 0
@@ -167,6 +170,9 @@ async def request_openai(session: Any, url: str, req: RequestInput, headers: dic
                     usage_tokens = usage["completion_tokens"]
                     if usage.get("prompt_tokens"):
                         out.prompt_len = usage["prompt_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        out.cached_tokens = details["cached_tokens"]
                 choices = obj.get("choices") or []
                 piece = choices[0].get("text") or "" if choices else ""
                 if not piece:
@@ -226,6 +232,9 @@ class BenchmarkMetrics:
     median_e2e_latency_ms: float
     std_e2e_latency_ms: float
     p99_e2e_latency_ms: float
+    # Of the prompt tokens of requests whose server reported it, the share served from its
+    # prefix cache; None when no server said.
+    prefix_cache_hit_rate: float | None = None
 
 
 def _stats(xs: list[float]) -> tuple[float, float, float, float]:
@@ -246,6 +255,9 @@ def calculate_metrics(outputs: list[RequestOutput], duration_s: float) -> Benchm
     e2e = [o.latency for o in ok]
     t, tp, it, e = _stats(ttfts), _stats(tpots), _stats(itls), _stats(e2e)
     itl_ms = np.asarray(itls, dtype=np.float64) * 1000 if itls else np.zeros(1)
+    reported = [o for o in ok if o.cached_tokens is not None and o.prompt_len > 0]
+    hit_rate = (sum(o.cached_tokens for o in reported) / sum(o.prompt_len for o in reported)
+                if reported else None)
     return BenchmarkMetrics(
         completed=len(ok), failed=len(outputs) - len(ok), duration_s=duration_s,
         total_input=total_in, total_output=total_out,
@@ -259,7 +271,7 @@ def calculate_metrics(outputs: list[RequestOutput], duration_s: float) -> Benchm
         p95_itl_ms=float(np.percentile(itl_ms, 95)), p99_itl_ms=it[3],
         max_itl_ms=float(itl_ms.max()),
         mean_e2e_latency_ms=e[0], median_e2e_latency_ms=e[1], std_e2e_latency_ms=e[2],
-        p99_e2e_latency_ms=e[3],
+        p99_e2e_latency_ms=e[3], prefix_cache_hit_rate=hit_rate,
     )
 
 
@@ -282,6 +294,8 @@ def format_metrics(m: BenchmarkMetrics, backend: str, request_rate: float,
         f"{'Total token throughput (tok/s):':<{w}}{m.total_throughput:>10.2f}",
         f"{'Concurrency:':<{w}}{m.concurrency:>10.2f}",
     ]
+    if m.prefix_cache_hit_rate is not None:
+        rows.append(f"{'Prefix cache hit rate:':<{w}}{m.prefix_cache_hit_rate:>10.3f}")
 
     def section(title: str, name: str, label: str, extra: tuple[str, ...] = ()) -> None:
         rows.append("{s:{c}^{n}}".format(s=title, n=w + 10, c="-"))
