@@ -10,6 +10,10 @@ sampled yet by *future-token placeholders*: negative ids `-i` that index `future
 Before each forward this thread swaps them for the real tokens (`torch.where`); after sampling
 it writes the batch's own tokens into its placeholder slots. The slots are handed out by
 `submit`, on the scheduler thread, from a counter: the same on every rank, never timing-bound.
+
+On CUDA the thread runs on its own stream (the scheduler's input copies must not queue behind
+the forward), after an event that `submit` records once the batch's inputs are written.
+(Not yet run on a GPU: CPU is where this was built and tested.)
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 from lockstep.managers.schedule_batch import ModelWorkerBatch
 from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
 
+Job = tuple[ModelWorkerBatch, int, int, "torch.cuda.Event | None"]
+
 
 class TpModelWorkerClient:
     def __init__(self, worker: TpModelWorker, max_sampled_per_batch: int) -> None:
@@ -33,7 +39,10 @@ class TpModelWorkerClient:
         self.future_tokens = torch.zeros(self.num_slots + 1, dtype=torch.int64,
                                          device=worker.runner.device)
         self._next_slot = 1
-        self._inputs: queue.Queue[tuple[ModelWorkerBatch, int, int] | None] = queue.Queue()
+        self._cuda = self.future_tokens.is_cuda
+        self._cuda_device = torch.cuda.current_device() if self._cuda else None
+        self._stream = torch.cuda.Stream() if self._cuda else None
+        self._inputs: queue.Queue[Job | None] = queue.Queue()
         self._outputs: queue.Queue[GenerationBatchResult | BaseException] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="lockstep-forward")
         self._thread.start()
@@ -48,7 +57,11 @@ class TpModelWorkerClient:
         if self._next_slot + n > self.num_slots + 1:
             self._next_slot = 1
         first, self._next_slot = self._next_slot, self._next_slot + n
-        self._inputs.put((batch, first, n))
+        ready = None
+        if self._cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # on the scheduler's stream, after this batch's inputs
+        self._inputs.put((batch, first, n, ready))
         return [-(first + i) for i in range(n)]
 
     def result(self) -> GenerationBatchResult:
@@ -64,6 +77,9 @@ class TpModelWorkerClient:
 
     # ---- the forward thread -------------------------------------------------------------
     def _loop(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self._cuda_device)
+            torch.cuda.set_stream(self._stream)
         while True:
             item = self._inputs.get()
             if item is None:
@@ -74,7 +90,10 @@ class TpModelWorkerClient:
                 self._outputs.put(e)
 
     @torch.inference_mode()
-    def _run(self, batch: ModelWorkerBatch, first_slot: int, n: int) -> GenerationBatchResult:
+    def _run(self, batch: ModelWorkerBatch, first_slot: int, n: int,
+             ready: torch.cuda.Event | None) -> GenerationBatchResult:
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
         fb = batch.forward_batch
         ids = fb.input_ids
         fb.input_ids = torch.where(ids < 0, self.future_tokens[(-ids).clamp(min=0)], ids)
