@@ -36,8 +36,8 @@ _GROUPS: dict[str, tuple[str, ...]] = {
                    "--new-token-ratio",
                    "--random-seed", "--enable-lockstep-check", "--debug-fingerprints",
                    "--watchdog-timeout"),
-    "parallelism": ("--tp-size", "--pp-size", "--dp-size", "--load-balance-method", "--nnodes",
-                    "--node-rank", "--dist-init-addr"),
+    "parallelism": ("--tp-size", "--pp-size", "--pp-micro-batches", "--dp-size",
+                    "--load-balance-method", "--nnodes", "--node-rank", "--dist-init-addr"),
 }
 
 

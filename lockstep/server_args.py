@@ -87,6 +87,10 @@ class ServerArgs:
     # Parallelism
     tp_size: int = 1
     pp_size: int = 1
+    pp_micro_batches: int | None = field(default=None, metadata={
+        "help": "With --pp-size > 1: split each batch by requests into up to this many "
+                "micro-batches that the stages work on at once (default: --pp-size; 1: one "
+                "batch at a time)."})
     dp_size: int = 1
     load_balance_method: str = field(default="round_robin", metadata={"choices": list(LOAD_BALANCE_METHODS)})
     dp_cache_threshold: float = field(
@@ -105,6 +109,8 @@ class ServerArgs:
                      "max_request_body_bytes", "max_batch_size"):
             if getattr(self, name) < 1:
                 problems.append(f"--{name.replace('_', '-')} must be >= 1")
+        if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
+            problems.append("--pp-micro-batches must be >= 1")
         if self.node_rank >= self.nnodes or self.node_rank < 0:
             problems.append("--node-rank must be in [0, nnodes)")
         if (self.tp_size * self.pp_size) % self.nnodes:

@@ -9,6 +9,7 @@ import torch
 from lockstep.distributed.communication import broadcast_pyobj
 from lockstep.layers.sampler import sample
 from lockstep.managers.schedule_batch import ModelWorkerBatch
+from lockstep.model_executor.forward_batch import ForwardBatch, split_forward_batch
 from lockstep.model_executor.model_runner import ModelRunner
 
 # Prompt-logprob rows are turned into logits this many at a time: a 262k-wide row costs 1 MB.
@@ -26,12 +27,23 @@ class GenerationBatchResult:
 
 
 class TpModelWorker:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, micro_batches: int | None = None) -> None:
         self.runner = runner
+        # --pp-micro-batches: slices of a batch the pipeline stages work on at once (None: one
+        # per stage). Every rank holds the same value, so every rank splits a batch the same way.
+        self.micro_batches = micro_batches if micro_batches is not None else runner.pp.size
+
+    def split(self, batch: ModelWorkerBatch) -> list[ForwardBatch]:
+        """The micro-batches of this step. The split depends only on the batch, never on this
+        rank, and the last stage samples the rows of all of them together with the whole
+        batch's sampling info, so tokens (logprobs, prompt logprobs) do not depend on it."""
+        if self.runner.pp.size == 1 or self.micro_batches <= 1:
+            return [batch.forward_batch]
+        return split_forward_batch(batch.forward_batch, self.micro_batches)
 
     @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        hidden = self.runner.forward(batch.forward_batch)
+        hidden = self.runner.forward_micro_batches(self.split(batch))
         pp = self.runner.pp
         res = self._sample(hidden, batch) if pp.is_last else None
         if pp.size > 1:

@@ -68,3 +68,54 @@ class ForwardBatch:
             masks[w] = m.unsqueeze(1)
         kv = torch.where(k_idx[None, :] < seq[:, None], kv, 0)
         self.attn = AttentionMetadata(kv, row_of_token * max_q + col_of_token, max_q, masks)
+
+
+def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:
+    """Cut requests [0, B) into up to n contiguous [start, end) ranges of about equal token
+    counts (decode: equal request counts), every range holding at least one request. Equal
+    work per micro-batch keeps every pipeline stage equally busy."""
+    b = len(extend_lens)
+    n = max(1, min(n, b))
+    total = sum(extend_lens)
+    cuts = [0]
+    acc = 0
+    for i in range(b - 1):
+        acc += extend_lens[i]
+        made = len(cuts) - 1  # cuts so far
+        if made == n - 1:
+            break
+        left_after = b - (i + 1)  # requests after a cut here
+        parts_after = n - (made + 1)  # ranges that still need a request after a cut here
+        # Cut once this range reached its share of tokens, or when waiting longer would leave
+        # some later range without a request.
+        if acc * n >= total * (made + 1) or left_after == parts_after:
+            cuts.append(i + 1)
+    return list(zip(cuts, cuts[1:] + [b]))
+
+
+def slice_forward_batch(fb: ForwardBatch, start: int, end: int) -> ForwardBatch:
+    """The requests [start, end) of `fb` as a batch of their own. Tokens are laid out request
+    after request, so the token range follows from extend_lens; logits rows inside it keep
+    their order and are renumbered from 0. The attention metadata is left to build_attention."""
+    ext = fb.extend_lens.tolist()
+    t0, t1 = sum(ext[:start]), sum(ext[:end])
+    li = fb.logits_indices
+    keep = (li >= t0) & (li < t1)
+    return ForwardBatch(
+        mode=fb.mode,
+        input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
+        out_cache_loc=fb.out_cache_loc[t0:t1],
+        req_pool_indices=fb.req_pool_indices[start:end],
+        prefix_lens=fb.prefix_lens[start:end], extend_lens=fb.extend_lens[start:end],
+        logits_indices=li[keep] - t0,
+    )
+
+
+def split_forward_batch(fb: ForwardBatch, n: int) -> list[ForwardBatch]:
+    """Contiguous micro-batches of `fb` for pipeline stages to work on at once. Their logits
+    rows, concatenated in order, are exactly fb's: the worker builds logits_indices in token
+    order (request after request), so each micro-batch's rows are one consecutive run of them."""
+    ranges = micro_batch_ranges(fb.extend_lens.tolist(), n)
+    if len(ranges) == 1:
+        return [fb]
+    return [slice_forward_batch(fb, a, b) for a, b in ranges]

@@ -47,6 +47,23 @@ class RunnerConfig:
     local_ranks: int = 1
 
 
+@dataclass
+class PipelineStats:
+    """What this stage ran, for tests and debugging: micro-batch counts prove the split, and
+    max_sends_in_flight > 1 proves this stage went on computing while earlier slices were still
+    on their way to (or being worked on by) the next stage, without any timing."""
+
+    steps: int = 0
+    micro_batches: int = 0
+    last_step_micro_batches: int = 0
+    max_sends_in_flight: int = 0
+
+    def record(self, n: int) -> None:
+        self.steps += 1
+        self.micro_batches += n
+        self.last_step_micro_batches = n
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, weight_files: tuple, cfg: RunnerConfig,
                  tp: ParallelGroup = SINGLE, pp: PipelineGroup = NO_PIPELINE) -> None:
@@ -74,6 +91,7 @@ class ModelRunner:
                                               self.n_kv_local, model_cfg.head_dim, cfg.dtype, cfg.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, cfg.device)
         self.windows = set(model_cfg.layer_windows)
+        self.pp_stats = PipelineStats()
 
     def _kv_budget(self) -> int:
         if self.cfg.max_total_tokens:
@@ -93,15 +111,46 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Final hidden states at fb.logits_indices on the last pipeline stage (the worker turns
         the rows it needs into logits); None on earlier stages, which pass hidden states on."""
-        fb.build_attention(self.req_to_token_pool.req_to_token, self.windows)
-        hidden_in = None
-        if not self.pp.is_first:
-            # Every stage made the same scheduling decision, so the shape is known here.
-            hidden_in = torch.empty((fb.input_ids.numel(), self.model_cfg.hidden_size),
-                                    dtype=self.dtype, device=self.device)
-            dist.recv(hidden_in, src=self.pp.prev_global)
-        hidden = self.model(fb, self.token_to_kv_pool, hidden_in)
-        if self.pp.is_last:
-            return hidden
-        dist.send(hidden.contiguous(), dst=self.pp.next_global)
-        return None
+        return self.forward_micro_batches([fb])
+
+    @torch.inference_mode()
+    def forward_micro_batches(self, parts: list[ForwardBatch]) -> torch.Tensor | None:
+        """Run consecutive slices of one batch through this stage, in order (GPipe within one
+        scheduler step). Each slice's hidden states leave with a non-blocking send, so this
+        stage starts the next slice while the next stage works on this one. The last stage
+        returns the slices' hidden rows concatenated: the rows of the whole batch, in order."""
+        recvs = self._post_recvs(parts) if not self.pp.is_first else []
+        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        outs: list[torch.Tensor] = []
+        for i, fb in enumerate(parts):
+            fb.build_attention(self.req_to_token_pool.req_to_token, self.windows)
+            hidden_in = None
+            if recvs:
+                hidden_in, work = recvs[i]
+                work.wait()
+            hidden = self.model(fb, self.token_to_kv_pool, hidden_in)
+            if self.pp.is_last:
+                outs.append(hidden)
+                continue
+            hidden = hidden.contiguous()
+            # The tensor stays referenced until its send is waited: freed early, its memory
+            # could be reused while the transport still reads it.
+            sends.append((dist.isend(hidden, dst=self.pp.next_global, tag=i), hidden))
+            self.pp_stats.max_sends_in_flight = max(self.pp_stats.max_sends_in_flight, len(sends))
+        for work, _ in sends:
+            work.wait()
+        self.pp_stats.record(len(parts))
+        if not self.pp.is_last:
+            return None
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _post_recvs(self, parts: list[ForwardBatch]) -> list[tuple[torch.Tensor, dist.Work]]:
+        """Receives for every slice, posted up front so slice i+1 arrives while i computes.
+        Every stage made the same scheduling decision and split, so the shapes are known here;
+        the tag is the slice number, which keeps the messages apart."""
+        posted = []
+        for i, fb in enumerate(parts):
+            buf = torch.empty((fb.input_ids.numel(), self.model_cfg.hidden_size),
+                              dtype=self.dtype, device=self.device)
+            posted.append((buf, dist.irecv(buf, src=self.pp.prev_global, tag=i)))
+        return posted
