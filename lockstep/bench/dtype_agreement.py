@@ -26,12 +26,14 @@ from typing import Any
 import torch
 
 
-def _scheduler(model_path: str | None, dtype: str, max_tokens: int, n: int) -> Any:
+def _scheduler(model_path: str | None, dtype: str, max_tokens: int, n: int,
+               quantization: str | None = None) -> Any:
     from lockstep.managers.scheduler import create_scheduler
     from lockstep.server_args import ServerArgs
 
     return create_scheduler(ServerArgs(model_path=model_path, dtype=dtype, max_total_tokens=max_tokens,
-                                       max_running_requests=n, disable_radix_cache=True))
+                                       max_running_requests=n, disable_radix_cache=True,
+                                       quantization=quantization))
 
 
 def _drain(sched: Any, reqs: list[Any]) -> dict[str, dict[str, list]]:
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", help="The dtype compared against float32.")
+    p.add_argument("--quantization", default=None, choices=["fp16"],
+                   help="Compare float32 with --quantization instead (use with --dtype float32).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = greedy(f32, prompts, args.output_len)
     ref_top = teacher_forced_top(f32, prompts, ref)
     del f32
-    low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts)
+    low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts, args.quantization)
+    label = f"{args.dtype} --quantization {args.quantization}" if args.quantization else args.dtype
     free = greedy(low, prompts, args.output_len)
     low_top = teacher_forced_top(low, prompts, ref)
     del low
@@ -119,17 +124,17 @@ def main(argv: list[str] | None = None) -> int:
                   for a, b in zip(ref, free)]
     diverged = [d for d in first_diff if d is not None]
     print(f"model {source.origin}; {args.num_prompts} prompts of {args.input_len // 2}-{args.input_len} "
-          f"tokens x {args.output_len} greedy tokens; {args.dtype} vs float32 ({elapsed:.0f} s)")
+          f"tokens x {args.output_len} greedy tokens; {label} vs float32 ({elapsed:.0f} s)")
     print(f"  teacher-forced top-1 agreement: {agree}/{total} = {100 * agree / total:.1f}%")
     print(f"  float32 teacher-forced vs float32 greedy (sanity): {self_agree}/{total}")
     print(f"  free-running: {identical}/{len(ref)} continuations identical; first difference at "
           f"token {sorted(diverged)} of the others")
     if margins_at_flip:
-        print(f"  float32 top-1 - top-2 logprob margin where {args.dtype} flips: median "
+        print(f"  float32 top-1 - top-2 logprob margin where {label} flips: median "
               f"{statistics.median(margins_at_flip):.3f}, max {max(margins_at_flip):.3f}")
     if args.result_file:
         with open(args.result_file, "a") as f:
-            f.write(json.dumps({"bench": "dtype_agreement", "dtype": args.dtype,
+            f.write(json.dumps({"bench": "dtype_agreement", "dtype": label,
                                 "num_prompts": args.num_prompts, "output_len": args.output_len,
                                 "agree": agree, "total": total, "identical": identical,
                                 "first_diff": first_diff, "flip_margins": margins_at_flip,

@@ -80,7 +80,7 @@ def make_prompts(tokenizer: Any, n: int, input_len: int, seed: int) -> list[list
 
 class LockstepBench:
     def __init__(self, model_path: str | None, dtype: str, max_bs: int, input_len: int,
-                 output_len: int, seed: int) -> None:
+                 output_len: int, seed: int, quantization: str | None = None) -> None:
         from lockstep.managers.scheduler import create_scheduler
         from lockstep.server_args import ServerArgs
 
@@ -93,9 +93,12 @@ class LockstepBench:
             # One step = one forward here: the overlap loop would report a step's result a step
             # later, and what this measures is the forward itself.
             disable_overlap_schedule=True,
+            quantization=quantization,
         )
         self.sched = create_scheduler(args)
         self.dtype = self.sched.worker.runner.dtype
+        # The dtype column says what the weights are: fp16w = float16 weights, float32 compute.
+        self.dtype_label = "fp16w" if quantization == "fp16" else _dtype_name(self.dtype)
         self.worker_time = 0.0
         worker = self.sched.worker
         inner = worker.forward_batch_generation
@@ -139,7 +142,7 @@ class LockstepBench:
             raise RuntimeError(f"expected {output_len} tokens per request, got {sorted(got.values())}")
         sched.check_integrity()
         decode = statistics.median(steps) if steps else float("nan")
-        return Result("lockstep", len(prompts), len(prompts[0]), output_len, _dtype_name(self.dtype),
+        return Result("lockstep", len(prompts), len(prompts[0]), output_len, self.dtype_label,
                       prefill, decode, total, self.worker_time / total,
                       statistics.median(overheads) if overheads else None)
 
@@ -226,6 +229,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="Skip HF transformers.")
     p.add_argument("--warmup", type=int, default=1, help="Warm-up runs (batch 1, 4 tokens).")
     p.add_argument("--repeat", type=int, default=1, help="Runs per batch size; the best is kept.")
+    p.add_argument("--quantization", default=None, choices=["fp16"],
+                   help="lockstep's --quantization (HF runs its own dtype regardless).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's).")
     p.add_argument("--result-file", default=None, help="Append one JSON line per result.")
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(tokenizer, max_bs, args.input_len, args.seed)
     t = time.perf_counter()
     bench = LockstepBench(args.model_path, args.dtype, max(args.batch_size), args.input_len,
-                          args.output_len, args.seed)
+                          args.output_len, args.seed, args.quantization)
     print(f"lockstep model built in {time.perf_counter() - t:.1f} s, dtype {bench.dtype}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
     for _ in range(args.warmup):

@@ -572,6 +572,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     and by in-process tests alike."""
     from lockstep.configs.model_config import ModelConfig
     from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE
+    from lockstep.layers.quantization import check_supported, quantize_model
     from lockstep.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
     from lockstep.model_loader import resolve_model
 
@@ -585,6 +586,10 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     )
     torch.manual_seed(args.random_seed)
     runner = ModelRunner(model_cfg, source.weight_files, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
+    if args.quantization:
+        check_supported(args.quantization, args.device, runner_cfg.dtype)
+        n = quantize_model(runner.model, args.quantization)
+        logger.info("--quantization %s: %d linears packed", args.quantization, n)
     return Scheduler(args, TpModelWorker(runner), stop_token_ids(source.model_dir, model_cfg),
                      strict_integrity)
 

@@ -77,9 +77,11 @@ def hf_greedy(
     prompts: list[list[int]],
     max_new_tokens: int,
     dtype: torch.dtype = torch.float32,
+    model: torch.nn.Module | None = None,
 ) -> list[OracleResult]:
-    """Greedy-decode exactly ``max_new_tokens`` tokens for each prompt (no EOS stop)."""
-    model = load_hf_model(model_dir, dtype)
+    """Greedy-decode exactly ``max_new_tokens`` tokens for each prompt (no EOS stop), with the
+    model in ``model_dir`` or an already modified ``model``."""
+    model = model if model is not None else load_hf_model(model_dir, dtype)
     cache_kw = _cache_kwarg(model)
     results = []
     for prompt in prompts:
@@ -103,6 +105,23 @@ def hf_greedy(
             input_ids = torch.tensor([[tok]], dtype=torch.long)
         results.append(OracleResult(output_ids=out_ids, logprobs=logprobs, margins=margins))
     return results
+
+
+@torch.inference_mode()
+def hf_fp16_weight_model(model_dir: Path) -> torch.nn.Module:
+    """The oracle for `--quantization fp16`: a fresh float32 HF model whose linear and LM-head
+    weights are rounded to float16 and back. The embedding rows used for lookups stay float32,
+    as lockstep keeps them, so a tied LM head gets its own rounded copy."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().half().float(), requires_grad=False)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            module.weight.data.copy_(module.weight.data.half().float())  # biases stay float32
+    return model
 
 
 @torch.inference_mode()
