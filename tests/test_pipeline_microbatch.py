@@ -188,7 +188,7 @@ def test_micro_batches_match_a_single_rank_and_are_in_flight(arch, tp, tiny_mode
 
 
 def test_real_processes_pp2_micro_batches(tiny_model_dirs):
-    """The served path: scheduler processes split by default (one micro-batch per stage)."""
+    """The served path, scheduler processes started by the launcher, asked for micro-batches."""
     model_dir = tiny_model_dirs["gemma3"]
     prompts = tiny_prompts(model_dir, N_PROMPTS, seed=21, max_words=40)
     expected = _reference(model_dir, prompts)

@@ -27,10 +27,11 @@ class GenerationBatchResult:
 
 
 class TpModelWorker:
-    def __init__(self, runner: ModelRunner, micro_batches: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, micro_batches: int | None = 1) -> None:
         self.runner = runner
-        # --pp-micro-batches: slices of a batch the pipeline stages work on at once (None: one
-        # per stage). Every rank holds the same value, so every rank splits a batch the same way.
+        # --pp-micro-batches: slices of a batch the pipeline stages work on at once; None (the
+        # flag's default) is one per stage. A caller that passes nothing keeps one batch at a
+        # time. Every rank holds the same value, so every rank splits a batch the same way.
         self.micro_batches = micro_batches if micro_batches is not None else runner.pp.size
 
     def split(self, batch: ModelWorkerBatch) -> list[ForwardBatch]:
