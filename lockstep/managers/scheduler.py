@@ -590,7 +590,8 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
         check_supported(args.quantization, args.device, runner_cfg.dtype)
         n = quantize_model(runner.model, args.quantization)
         logger.info("--quantization %s: %d linears packed", args.quantization, n)
-    return Scheduler(args, TpModelWorker(runner), stop_token_ids(source.model_dir, model_cfg),
+    worker = TpModelWorker(runner, args.pp_micro_batches)
+    return Scheduler(args, worker, stop_token_ids(source.model_dir, model_cfg),
                      strict_integrity)
 
 
