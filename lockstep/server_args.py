@@ -94,8 +94,9 @@ class ServerArgs:
     pp_size: int = 1
     pp_micro_batches: int | None = field(default=None, metadata={
         "help": "With --pp-size > 1: split each batch by requests into up to this many "
-                "micro-batches that the stages work on at once (default: --pp-size; 1: one "
-                "batch at a time)."})
+                "micro-batches that the stages work on at once (1: one batch at a time). "
+                "Default: --pp-size on cuda, 1 on cpu, where splitting measured 6-13%% slower "
+                "(docs/benchmarks.md)."})
     dp_size: int = 1
     load_balance_method: str = field(default="round_robin", metadata={"choices": list(LOAD_BALANCE_METHODS)})
     dp_cache_threshold: float = field(
@@ -139,6 +140,14 @@ class ServerArgs:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def micro_batches(self) -> int:
+        """--pp-micro-batches resolved: on a CPU a decode step reads every weight whatever its
+        rows, so slicing a batch multiplies that cost and the stages gained less than it cost."""
+        if self.pp_micro_batches is not None:
+            return self.pp_micro_batches
+        return self.pp_size if self.device == "cuda" else 1
 
     @property
     def overlap_schedule(self) -> bool:

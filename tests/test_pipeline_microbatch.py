@@ -199,3 +199,11 @@ def test_real_processes_pp2_micro_batches(tiny_model_dirs):
         assert generate_through(launched, prompts, MAX_NEW) == expected
     finally:
         launched.shutdown()
+
+
+def test_micro_batch_default_follows_the_device():
+    from lockstep.server_args import ServerArgs
+
+    assert ServerArgs(pp_size=2).micro_batches == 1  # cpu: splitting measured slower
+    assert ServerArgs(pp_size=2, device="cuda").micro_batches == 2
+    assert ServerArgs(pp_size=2, pp_micro_batches=3).micro_batches == 3

@@ -590,7 +590,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
         check_supported(args.quantization, args.device, runner_cfg.dtype)
         n = quantize_model(runner.model, args.quantization)
         logger.info("--quantization %s: %d linears packed", args.quantization, n)
-    worker = TpModelWorker(runner, args.pp_micro_batches)
+    worker = TpModelWorker(runner, args.micro_batches)
     return Scheduler(args, worker, stop_token_ids(source.model_dir, model_cfg),
                      strict_integrity)
 

@@ -27,12 +27,11 @@ class GenerationBatchResult:
 
 
 class TpModelWorker:
-    def __init__(self, runner: ModelRunner, micro_batches: int | None = 1) -> None:
+    def __init__(self, runner: ModelRunner, micro_batches: int = 1) -> None:
         self.runner = runner
-        # --pp-micro-batches: slices of a batch the pipeline stages work on at once; None (the
-        # flag's default) is one per stage. A caller that passes nothing keeps one batch at a
-        # time. Every rank holds the same value, so every rank splits a batch the same way.
-        self.micro_batches = micro_batches if micro_batches is not None else runner.pp.size
+        # --pp-micro-batches (ServerArgs.micro_batches): slices of a batch the pipeline stages
+        # work on at once. Every rank holds the same value, so every rank splits alike.
+        self.micro_batches = micro_batches
 
     def split(self, batch: ModelWorkerBatch) -> list[ForwardBatch]:
         """The micro-batches of this step. The split depends only on the batch, never on this
