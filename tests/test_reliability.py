@@ -112,6 +112,17 @@ def child(server: LiveServer, title: str) -> int:
     raise AssertionError(f"no child titled {title!r} among {server.child_pids}")
 
 
+def signal_child(server: LiveServer, title: str, sig: int, pids: list[int],
+                 exit_timeout: float) -> tuple[int, float, list[int]]:
+    """Send `sig` to the child titled `title`; return the server's exit code, the seconds it
+    took to exit, and which of `pids` are still alive 10 s later."""
+    target = child(server, title)
+    start = time.monotonic()
+    os.kill(target, sig)
+    code = server.proc.wait(timeout=exit_timeout)
+    return code, time.monotonic() - start, gone(pids, 10)
+
+
 def kill_leftovers(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -460,12 +471,7 @@ def test_sigkill_of_a_child_ends_the_server(model_dir, tmp_path, victim):
                 "text": f"load {i}", "sampling_params": {"max_new_tokens": 2000,
                                                          "ignore_eos": True}}))
         time.sleep(0.5)
-        target = child(server, victim)
-        start = time.monotonic()
-        os.kill(target, signal.SIGKILL)
-        code = server.proc.wait(timeout=10)
-        took = time.monotonic() - start
-        left = gone(pids, 10)
+        code, took, left = signal_child(server, victim, signal.SIGKILL, pids, exit_timeout=10)
         load.shutdown(wait=False, cancel_futures=True)
     finally:
         kill_leftovers(pids)
@@ -497,12 +503,8 @@ def test_sigstop_of_a_scheduler_fires_the_watchdog(model_dir, tmp_path, victim):
             "text": "a long one", "sampling_params": {"max_new_tokens": 3000,
                                                       "ignore_eos": True}}))
         time.sleep(1.0)
-        target = child(server, victim)
-        start = time.monotonic()
-        os.kill(target, signal.SIGSTOP)
-        code = server.proc.wait(timeout=timeout + 15)
-        took = time.monotonic() - start
-        left = gone(pids, 10)
+        code, took, left = signal_child(server, victim, signal.SIGSTOP, pids,
+                                        exit_timeout=timeout + 15)
         pool.shutdown(wait=False, cancel_futures=True)
     finally:
         kill_leftovers(pids)
