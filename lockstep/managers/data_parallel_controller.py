@@ -155,16 +155,23 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
     try:
         while True:
             ready = dict(poller.poll())
-            while loads in ready:
-                try:
-                    dispatcher.report(decode(loads.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
             if inputs in ready:
-                _route(decode(inputs.recv()), dispatcher, outs, owner)
+                msg = decode(inputs.recv())
+                _drain_reports(loads, dispatcher)  # whatever arrived until now counts
+                _route(msg, dispatcher, outs, owner)
+            elif loads in ready:
+                _drain_reports(loads, dispatcher)
     except Exception:  # noqa: BLE001
         logger.error("data-parallel controller crashed:\n%s", traceback.format_exc())
         sys.exit(1)
+
+
+def _drain_reports(loads: zmq.Socket, dispatcher: Dispatcher) -> None:
+    while True:
+        try:
+            dispatcher.report(decode(loads.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return
 
 
 def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket], owner: OrderedDict) -> None:

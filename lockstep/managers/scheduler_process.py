@@ -126,17 +126,19 @@ def event_loop(args: ServerArgs, sched: Scheduler, world: ParallelGroup, recv: z
         watchdog.step_begins(bool(msgs) or not sched.is_idle())
         outputs = sched.step(msgs)
         watchdog.step_done(not sched.is_idle())
+        if load is not None:
+            # Before the outputs: a client that reacts to an output by sending its next request
+            # reaches the DP controller after this report, so dispatch sees the finished load.
+            now = sched.load()
+            if now != last_load:
+                load.send(encode(LoadReport(sched.dp_rank, *now)))
+                last_load = now
         if send is not None:
             if outputs:
                 send.send(encode(BatchTokenIDOut(outputs)))
             for reply in sched.control_replies:
                 send.send(encode(reply))
         sched.control_replies.clear()
-        if load is not None:
-            now = sched.load()
-            if now != last_load:
-                load.send(encode(LoadReport(sched.dp_rank, *now)))
-                last_load = now
 
 
 def lockstep_checker(every: int, world: ParallelGroup):
