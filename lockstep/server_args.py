@@ -12,6 +12,7 @@ from typing import Any
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
+QUANTIZATION_METHODS = ("fp16",)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class ServerArgs:
         "help": "Weight-only quantisation of the linears and the LM head. fp16: float16 weights "
                 "(FBGEMM), float32 compute; CPU with --dtype float32 only. About 2x faster "
                 "decode here; greedy agreement with float32 in docs/benchmarks.md.",
-        "choices": ["fp16"]})
+        "choices": list(QUANTIZATION_METHODS)})
     context_length: int | None = field(default=None, metadata={"help": "Override the model's."})
     # Server
     host: str = "127.0.0.1"

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from lockstep.server_args import QUANTIZATION_METHODS
+
 
 def _scheduler(model_path: str | None, dtype: str, max_tokens: int, n: int,
                quantization: str | None = None) -> Any:
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", help="The dtype compared against float32.")
-    p.add_argument("--quantization", default=None, choices=["fp16"],
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="Compare float32 with --quantization instead (use with --dtype float32).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from lockstep.server_args import QUANTIZATION_METHODS
+
 logger = logging.getLogger(__name__)
 
 
@@ -229,7 +231,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="Skip HF transformers.")
     p.add_argument("--warmup", type=int, default=1, help="Warm-up runs (batch 1, 4 tokens).")
     p.add_argument("--repeat", type=int, default=1, help="Runs per batch size; the best is kept.")
-    p.add_argument("--quantization", default=None, choices=["fp16"],
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="lockstep's --quantization (HF runs its own dtype regardless).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's).")

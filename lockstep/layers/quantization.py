@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-QUANTIZATION_METHODS = ("fp16",)
+from lockstep.server_args import QUANTIZATION_METHODS
 
 
 def check_supported(method: str, device: str, dtype: torch.dtype) -> None:
