@@ -31,8 +31,8 @@ class PagedAttention(nn.Module):
         assert meta is not None, "ForwardBatch.build_attention must run before the model"
         pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         b, qn = fb.batch_size, meta.max_q
-        keys = pool.k_buffer[self.layer_id][meta.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
-        vals = pool.v_buffer[self.layer_id][meta.kv_indices].transpose(1, 2)
+        keys = self._gather(pool.k_buffer[self.layer_id], meta.kv_indices)  # [B, Hkv, L, D]
+        vals = self._gather(pool.v_buffer[self.layer_id], meta.kv_indices)
         if qn == 1 and q.shape[0] == b:
             qp = q.view(b, 1, self.n_heads, self.head_dim)
         else:
@@ -41,21 +41,34 @@ class PagedAttention(nn.Module):
             qp = qp.view(b, qn, self.n_heads, self.head_dim)
         qp = qp.transpose(1, 2)  # [B, H, Q, D]
         mask = meta.masks[self.window]
-        if self.softcap is None:
+        if self.softcap is None and qn > 1:
             out = F.scaled_dot_product_attention(
                 qp, keys, vals, attn_mask=mask, scale=self.scaling,
                 enable_gqa=self.n_heads != self.n_kv_heads,
             )
         else:
-            out = self._softcapped(qp, keys, vals, mask)
+            # Decode (one query per request): two batched matmuls beat CPU SDPA ~1.5x here.
+            out = self._matmul_attention(qp, keys, vals, mask)
         out = out.transpose(1, 2).reshape(b * qn, self.n_heads * self.head_dim)
         return out if qn == 1 and q.shape[0] == b else out[meta.q_scatter]
 
-    def _softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
-        rep = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
-        scores = torch.tanh(scores / self.softcap) * self.softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+    @staticmethod
+    def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        # index_select on a flat index: on CPU ~4x faster than advanced indexing `buffer[slots]`,
+        # which goes through the generic index kernel; this gather is a large share of decode.
+        rows = buffer.index_select(0, slots.reshape(-1))
+        return rows.view(*slots.shape, *buffer.shape[1:]).transpose(1, 2)
+
+    def _matmul_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+        """q: [B, H, Q, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Q, L] -> [B, H, Q, D].
+        The query heads sharing a KV head are stacked into its rows, so K/V are not repeated."""
+        b, h, qn, d = q.shape
+        hkv = k.shape[1]
+        qg = q.reshape(b, hkv, (h // hkv) * qn, d)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(self.scaling)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.view(b, hkv, h // hkv, qn, -1).masked_fill_(~mask.unsqueeze(1), float("-inf"))
+        probs = scores.view(b, hkv, (h // hkv) * qn, -1).softmax(-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v).view(b, h, qn, d)

@@ -8,7 +8,7 @@ from torch import nn
 
 from lockstep.distributed.parallel_state import ParallelGroup
 from lockstep.layers.linear import _copy, _param
-from lockstep.layers.quantization import linear_fp16, pack_fp16
+from lockstep.layers.quantization import PackedLinear, pack
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,10 +21,10 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.end = tp.shard_range(self.padded_vocab)
         self.weight = _param((self.end - self.start, hidden), dtype, self.weight_loader)
         # --quantization: a packed copy for logits; lookups keep the float32 rows.
-        self.logits_packed: torch.Tensor | None = None
+        self.logits_packed: PackedLinear | None = None
 
     def pack_logits_weights(self, method: str) -> None:
-        self.logits_packed = pack_fp16(self.weight)
+        self.logits_packed = pack(method, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = loaded[self.start:min(self.end, self.vocab_size)]
@@ -45,7 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_packed is not None:
-            local = linear_fp16(hidden, self.logits_packed)
+            local = self.logits_packed(hidden)
         else:
             local = F.linear(hidden, self.weight)
         return self.tp.all_gather(local, dim=-1)[..., : self.vocab_size]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.distributed.parallel_state import ParallelGroup
-from lockstep.layers.quantization import linear_fp16, pack_fp16
+from lockstep.layers.quantization import PackedLinear, pack
 
 WeightLoader = Callable[..., None]
 
@@ -38,11 +38,11 @@ class ColumnParallelLinear(nn.Module):
         tp.shard_range(out_features)  # validates divisibility
         self.weight = _param((self.out_local, in_features), dtype, self.weight_loader)
         self.bias = _param((self.out_local,), dtype, self.weight_loader) if bias else None
-        self.packed: torch.Tensor | None = None  # --quantization: replaces weight and bias
+        self.packed: PackedLinear | None = None  # --quantization: replaces weight and bias
 
     def pack_weights(self, method: str) -> None:
         """After loading: keep the weight only in `method`'s packed form (see quantization.py)."""
-        self.packed = pack_fp16(self.weight, self.bias)
+        self.packed = pack(method, self.weight, self.bias)
         self.weight = self.bias = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -51,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return linear_fp16(x, self.packed)
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -119,11 +119,11 @@ class RowParallelLinear(nn.Module):
         self.bias: nn.Parameter | None = (
             _param((out_features,), dtype, self.bias_loader) if bias else None
         )
-        self.packed: torch.Tensor | None = None  # --quantization: replaces weight
+        self.packed: PackedLinear | None = None  # --quantization: replaces weight
 
     def pack_weights(self, method: str) -> None:
         # Without the bias: it is added once after the reduction, not by every rank.
-        self.packed = pack_fp16(self.weight)
+        self.packed = pack(method, self.weight)
         self.weight = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -134,7 +134,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded, "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = linear_fp16(x, self.packed) if self.packed is not None else F.linear(x, self.weight)
+        local = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
         y = self.tp.all_reduce(local)
         # The bias is added once, after the reduction, not once per rank.
         return y if self.bias is None else y + self.bias
