@@ -17,8 +17,7 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), dtype, lambda p, w: _copy(p, w, "norm weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is one fused kernel: bitwise the same as the textbook float32 formula and
-        # ~25 us cheaper per call at decode sizes, where a step calls it ~110 times (Gemma 3).
+        # F.rms_norm: one fused kernel instead of six, bitwise the same as the float32 formula.
         shape = (x.shape[-1],)
         if self.gemma:
             return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).to(x.dtype)
