@@ -10,7 +10,7 @@ step is bound by the bytes of weight it reads, so halving them pays directly. Th
 float16's rounding of each weight (relative 2^-11).
 
 int8 (FBGEMM's integer matmul, with activations scaled per row so that no request's numbers
-depend on its batch neighbours) was measured and left out: 1.3x faster than fp16, but greedy
+depend on its batch neighbours) was measured and left out: 1.1-1.4x faster than fp16, but greedy
 agreement with float32 fell to 84-93% on the default model (docs/benchmarks.md).
 """
 
