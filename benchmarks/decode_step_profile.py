@@ -1,0 +1,71 @@
+"""Where a decode step goes: torch-profiler self CPU time per step by op group, and the step's
+unprofiled wall time. Default model, `--quantization fp16`, in-process scheduler.
+
+    python benchmarks/decode_step_profile.py BATCH
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from torch.profiler import profile
+
+from lockstep.bench.datasets import load_tokenizer
+from lockstep.bench.one_batch import LockstepBench, make_prompts
+from lockstep.model_loader import resolve_model
+from lockstep.testing.inproc import greedy_req
+
+STEPS = 8
+GROUPS = {
+    "linears": ["quantized::linear_dynamic_fp16"],
+    "KV gather": ["aten::index", "aten::index_select"],
+    "attention math": ["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm",
+                       "aten::_softmax", "aten::masked_fill_", "aten::masked_fill"],
+    "argmax": ["aten::argmax", "aten::max"],
+}
+
+
+def main() -> None:
+    batch = int(sys.argv[1])
+    tok = load_tokenizer(str(resolve_model(None).model_dir))
+    prompts = make_prompts(tok, batch, 256, 0)
+    bench = LockstepBench(None, "auto", batch, 256, 16, 0, "fp16")
+    bench.run(prompts[:1], 4)  # warm-up
+    sched = bench.sched
+
+    def start(tag: str) -> None:  # prefill, then two decode steps before measuring
+        sched.step([greedy_req(f"{tag}{i}", p, 4 + STEPS) for i, p in enumerate(prompts)])
+        sched.step()
+        sched.step()
+
+    def finish() -> None:
+        while not sched.is_idle():
+            sched.step()
+
+    start("x")
+    t = time.perf_counter()
+    for _ in range(STEPS):
+        sched.step()
+    wall = (time.perf_counter() - t) / STEPS * 1e3
+    finish()
+    start("y")
+    with profile() as prof:
+        for _ in range(STEPS):
+            sched.step()
+    finish()
+    per_step = {k: 0.0 for k in GROUPS}
+    total = 0.0
+    for e in prof.key_averages():
+        total += e.self_cpu_time_total
+        for k, names in GROUPS.items():
+            if e.key in names:
+                per_step[k] += e.self_cpu_time_total
+    ms = {k: v / STEPS / 1000 for k, v in per_step.items()}
+    ms["other ops"] = (total - sum(per_step.values())) / STEPS / 1000
+    print(f"batch {batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
+          + f"; all ops {total / STEPS / 1000:.1f} ms; wall {wall:.1f} ms/step (unprofiled)")
+
+
+if __name__ == "__main__":
+    main()
