@@ -1,0 +1,19 @@
+"""CPU kernels that compute on a GGUF's own quantized blocks (see docs and DESIGN.md section 8).
+
+`linear` and `embedding` run compiled C++ (an AVX2 and an AVX-512 variant, picked once at run time) when
+the machine has them and fall back to the plain-torch reference in `blocks` otherwise.
+"""
+
+from lockstep.kernels.blocks import GGML_BLOCKS, dequantize, quantize, row_bytes
+from lockstep.kernels.ops import embedding, has_kernel, kernel_variant, linear
+
+__all__ = [
+    "GGML_BLOCKS",
+    "dequantize",
+    "embedding",
+    "has_kernel",
+    "kernel_variant",
+    "linear",
+    "quantize",
+    "row_bytes",
+]

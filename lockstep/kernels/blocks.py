@@ -1,0 +1,172 @@
+"""GGML block formats and their plain-torch reference (de)quantization.
+
+Blocks are uint8 tensors [N, row_bytes]: each row is whole blocks along the input dimension, exactly the
+GGUF's little-endian bytes. Every arithmetic step here follows gguf.quants in the same order, so the
+float32 values are bitwise the ones gguf.quants gives (and the ones the compiled kernels form in registers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# qtype -> (elements per block, bytes per block)
+GGML_BLOCKS: dict[str, tuple[int, int]] = {
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q4_0": (32, 18),
+    "Q5_0": (32, 22),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+}
+
+
+def _block_shape(qtype: str) -> tuple[int, int]:
+    try:
+        return GGML_BLOCKS[qtype]
+    except KeyError:
+        raise ValueError(f"unsupported GGML block type {qtype!r}; known: {sorted(GGML_BLOCKS)}") from None
+
+
+def row_bytes(qtype: str, n_cols: int) -> int:
+    """Bytes of one row of `n_cols` elements; ValueError unless `n_cols` is whole blocks."""
+    per_block, nbytes = _block_shape(qtype)
+    if n_cols <= 0 or n_cols % per_block:
+        raise ValueError(f"{qtype} rows must be a positive multiple of {per_block} elements, got {n_cols}")
+    return n_cols // per_block * nbytes
+
+
+def check_blocks(qtype: str, blocks: torch.Tensor, n_cols: int) -> None:
+    """ValueError unless `blocks` is uint8 [N, row_bytes(qtype, n_cols)]."""
+    expect = row_bytes(qtype, n_cols)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != expect:
+        raise ValueError(
+            f"{qtype} blocks for {n_cols} columns must be uint8 [N, {expect}], "
+            f"got {blocks.dtype} {list(blocks.shape)}"
+        )
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian half -> float32 [...] (exact)."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n]: all low nibbles, then all high nibbles (the GGML order)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 packed bytes per block -> eight 6-bit scales and eight 6-bit mins (each [B, 8], int)."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _dequant_blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, bytes per block] -> float32 [B, elements per block]."""
+    if qtype == "Q8_0":
+        return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, 0:2]).unsqueeze(-1)
+    if qtype == "Q4_0":
+        q = _nibbles(b[:, 2:]).to(torch.int8) - 8
+        return _f16(b[:, 0:2]).unsqueeze(-1) * q.float()
+    if qtype == "Q5_0":
+        qh = b[:, 2:6].contiguous().view(torch.int32)  # [B, 1], bit j = high bit of element j
+        shifts = torch.arange(32, dtype=torch.int32)
+        hi = ((qh >> shifts) & 1).to(torch.uint8)
+        q = (_nibbles(b[:, 6:]) | (hi << 4)).to(torch.int8) - 16
+        return _f16(b[:, 0:2]).unsqueeze(-1) * q.float()
+    if qtype == "Q4_K":
+        d, dmin = _f16(b[:, 0:2]).unsqueeze(-1), _f16(b[:, 2:4]).unsqueeze(-1)
+        sc, mn = _q4_k_scale_min(b[:, 4:16])
+        scale = (d * sc.float()).unsqueeze(-1)  # [B, 8, 1]
+        off = (dmin * mn.float()).unsqueeze(-1)
+        # 4 chunks of 32 bytes; each gives 32 low nibbles (sub-block 2j) then 32 high (2j+1)
+        q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
+        return (scale * q - off).reshape(-1, 256)
+    if qtype == "Q6_K":
+        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+        scales = b[:, 192:208].contiguous().view(torch.int8).float()
+        d = _f16(b[:, 208:210]).unsqueeze(-1)
+        low = _nibbles(ql)  # [B, 2, 128]: 32-groups use ql[0:32], ql[32:64] low, then the same high
+        high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)  # [B, 2, 128]
+        q = (low | (high << 4)).to(torch.int8) - 32
+        return ((d * scales).unsqueeze(-1) * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
+    raise ValueError(f"no block dequantization for {qtype}")
+
+
+def dequantize(qtype: str, blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """uint8 [N, row_bytes] -> float32 [N, n_cols], the values gguf.quants.dequantize gives."""
+    check_blocks(qtype, blocks, n_cols)
+    n = blocks.shape[0]
+    raw = blocks.contiguous()
+    if qtype == "F32":
+        return raw.view(torch.float32).clone()
+    if qtype == "F16":
+        return raw.view(torch.float16).float()
+    if qtype == "BF16":
+        return raw.view(torch.bfloat16).float()
+    per_block, nbytes = GGML_BLOCKS[qtype]
+    return _dequant_blocks(qtype, raw.reshape(-1, nbytes)).reshape(n, n_cols)
+
+
+def _round_away(v: torch.Tensor) -> torch.Tensor:
+    """roundf: halves away from zero (what ggml's reference quantizer uses)."""
+    a = v.abs()
+    f = a.floor()
+    return v.sign() * (f + (2 * (a - f)).floor())
+
+
+def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
+    """[B, 32] -> [B, 1]: the element of largest magnitude, sign kept (first one on ties)."""
+    return torch.gather(x, 1, x.abs().argmax(dim=1, keepdim=True))
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+
+
+def _half_bytes(d: torch.Tensor) -> torch.Tensor:
+    return d.to(torch.float16).view(torch.uint8).reshape(-1, 2)
+
+
+def _quant_blocks(qtype: str, x: torch.Tensor) -> torch.Tensor:
+    """float32 [B, 32] -> uint8 [B, bytes per block], the bytes gguf.quants.quantize gives."""
+    if qtype == "Q8_0":
+        d = x.abs().amax(dim=1, keepdim=True) / 127
+        q = _round_away(x * _inverse(d)).to(torch.int8).view(torch.uint8)
+        return torch.cat([_half_bytes(d), q], dim=1)
+    if qtype == "Q4_0":
+        d = _signed_absmax(x) / -8
+        q = torch.trunc(x * _inverse(d) + 8.5).to(torch.uint8).clamp(0, 15)
+        return torch.cat([_half_bytes(d), q[:, :16] | (q[:, 16:] << 4)], dim=1)
+    if qtype == "Q5_0":
+        d = _signed_absmax(x) / -16
+        q = torch.trunc(x * _inverse(d) + 16.5).to(torch.uint8).clamp(0, 31)
+        qs = (q[:, :16] & 0x0F) | (q[:, 16:] << 4)
+        bits = (q >> 4).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+        qh = bits.sum(dim=1, keepdim=True).to(torch.int32).view(torch.uint8)
+        return torch.cat([_half_bytes(d), qh, qs], dim=1)
+    raise ValueError(f"no quantizer for {qtype}; quantize supports {sorted(QUANTIZABLE)}")
+
+
+QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q5_0", "Q8_0")
+
+
+def quantize(qtype: str, weight: torch.Tensor) -> torch.Tensor:
+    """float [N, K] -> uint8 [N, row_bytes(qtype, K)], the bytes gguf.quants.quantize gives."""
+    if weight.dim() != 2:
+        raise ValueError(f"quantize takes a 2-D weight, got shape {list(weight.shape)}")
+    if qtype not in QUANTIZABLE:
+        raise ValueError(f"no quantizer for {qtype}; quantize supports {list(QUANTIZABLE)}")
+    n, k = weight.shape
+    nbytes = row_bytes(qtype, k)
+    w = weight.detach().float().contiguous()
+    if qtype == "F32":
+        return w.view(torch.uint8).reshape(n, nbytes).clone()
+    if qtype in ("F16", "BF16"):
+        dtype = torch.float16 if qtype == "F16" else torch.bfloat16
+        return w.to(dtype).view(torch.uint8).reshape(n, nbytes)
+    return _quant_blocks(qtype, w.reshape(-1, 32)).reshape(n, nbytes)
