@@ -1,0 +1,179 @@
+"""The shape every tool-call parser shares: a text stream in, content and call deltas out.
+
+A parser is a small state machine over the generated text. `feed` takes the next piece of text
+and returns what can be said for certain so far: content that can no longer turn out to be the
+start of a call, and call deltas in OpenAI's order (a call's id and name first, then its
+`arguments` JSON in pieces). Text that might still be the start of call markup is held back, so
+partial markup never reaches content. `parse` runs the same machine over a complete text, so a
+stream cut anywhere concatenates to exactly what `parse` returns for well-formed output.
+
+Markup that turns out not to be a call before a call was announced (unknown function name, not
+JSON, ...) is released as plain content. Once a call has been announced to a stream it cannot be
+taken back; if its markup then breaks, `parse` of the whole text returns everything as content,
+since a non-streaming client should get the model's text rather than a broken call.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # the JSON text of an object, as the model wrote it
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    id: str | None = None  # set, with name, on a call's first delta only
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.calls)
+
+
+@dataclass(frozen=True)
+class ParseResult:
+    content: str | None  # None when there are calls and no text around them
+    calls: list[ToolCall]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest proper prefix of `marker` that `text` ends with."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ToolCallParser(ABC):
+    """Base of the parsers: content bookkeeping (whitespace next to a call is dropped) and call
+    bookkeeping. Subclasses implement `_step`, which advances `_pos` through `_buf`."""
+
+    name: str = ""
+
+    def __init__(self, tool_names: Iterable[str]) -> None:
+        self.tool_names = frozenset(tool_names)
+        self._buf = ""
+        self._pos = 0
+        self._finished = False
+        self._out = StreamDelta()
+        self._content_parts: list[str] = []
+        self._pending_ws = ""  # trailing whitespace: dropped if a call follows, else released
+        self._after_call = False  # whitespace right after a call is dropped too
+        self._calls: list[list[str]] = []  # [id, name, arguments...]
+        self._open_call = False
+        self._malformed = False
+
+    # ---- public --------------------------------------------------------------------------
+    def feed(self, text: str) -> StreamDelta:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        self._buf += text
+        self._run(final=False)
+        return self._take()
+
+    def finish(self) -> StreamDelta:
+        """The end of the text: whatever was held back is settled."""
+        if not self._finished:
+            self._run(final=True)
+            if self._open_call:  # cut off inside a call (length limit): not a usable call
+                self._malformed = True
+                self._open_call = False
+            self._release(self._pending_ws)
+            self._pending_ws = ""
+            self._finished = True
+        return self._take()
+
+    def parse(self, text: str) -> ParseResult:
+        """The whole text at once (this parser's own stream state is not touched)."""
+        fresh = type(self)(self.tool_names)
+        fresh.feed(text)
+        fresh.finish()
+        if fresh._malformed:
+            return ParseResult(content=text, calls=[])
+        calls = [ToolCall(id=c[0], name=c[1], arguments="".join(c[2:])) for c in fresh._calls]
+        content = "".join(fresh._content_parts)
+        return ParseResult(content=content or (None if calls else ""), calls=calls)
+
+    @property
+    def malformed(self) -> bool:
+        """A call announced to the stream whose markup then broke (or was cut off)."""
+        return self._malformed
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._calls)
+
+    # ---- for subclasses ------------------------------------------------------------------
+    @abstractmethod
+    def _step(self, final: bool) -> bool:
+        """Consume what can be consumed from `_buf[_pos:]`; False when more text is needed
+        (with `final`, it must eventually consume everything)."""
+
+    def _content(self, text: str) -> None:
+        """Plain text from the model; whitespace at its end waits to see what follows."""
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        text = self._pending_ws + text
+        body = text.rstrip()
+        self._pending_ws = text[len(body):]
+        self._release(body)
+
+    def _start_call(self, name: str) -> None:
+        self._pending_ws = ""
+        self._after_call = False
+        self._calls.append([new_call_id(), name])
+        self._open_call = True
+        self._out.calls.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1][0], name))
+
+    def _arguments(self, piece: str) -> None:
+        if not piece:
+            return
+        self._calls[-1].append(piece)
+        index = len(self._calls) - 1
+        last = self._out.calls[-1] if self._out.calls else None
+        if last is not None and last.index == index:
+            last.arguments += piece
+        else:
+            self._out.calls.append(ToolCallDelta(index, arguments=piece))
+
+    def _end_call(self, ok: bool) -> None:
+        self._open_call = False
+        self._after_call = True
+        if not ok:
+            self._malformed = True
+
+    # ---- internals -----------------------------------------------------------------------
+    def _release(self, text: str) -> None:
+        if text:
+            self._content_parts.append(text)
+            self._out.content += text
+
+    def _run(self, final: bool) -> None:
+        while self._step(final):
+            pass
+
+    def _take(self) -> StreamDelta:
+        out, self._out = self._out, StreamDelta()
+        return out

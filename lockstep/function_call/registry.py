@@ -1,0 +1,49 @@
+"""Tool-call parsers by the names SGLang's --tool-call-parser uses, and a model family's default."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from lockstep.function_call.core import ToolCallParser
+from lockstep.function_call.llama3 import Llama3Parser
+from lockstep.function_call.pythonic import PythonicParser
+from lockstep.function_call.qwen25 import Qwen25Parser
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
+    cls.name: cls for cls in (Qwen25Parser, Llama3Parser, PythonicParser)
+}
+
+# Only families whose instruct models were trained on one call format; Gemma 3 has none.
+_FAMILY_PARSER = {
+    "qwen2": "qwen25",
+    "qwen3": "qwen25",
+    "qwen2_moe": "qwen25",
+    "qwen3_moe": "qwen25",
+    "llama": "llama3",
+}
+_ARCH_PARSER = {
+    "Qwen2ForCausalLM": "qwen25",
+    "Qwen3ForCausalLM": "qwen25",
+    "Qwen2MoeForCausalLM": "qwen25",
+    "Qwen3MoeForCausalLM": "qwen25",
+    "LlamaForCausalLM": "llama3",
+}
+
+
+def make_parser(name: str, tool_names: Iterable[str]) -> ToolCallParser:
+    """A fresh parser for one generation; ValueError naming the known parsers otherwise."""
+    cls = TOOL_CALL_PARSERS.get(name)
+    if cls is None:
+        known = ", ".join(sorted(TOOL_CALL_PARSERS))
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {known}")
+    return cls(tool_names)
+
+
+def default_parser_name(model_type: str, architectures: Sequence[str]) -> str | None:
+    """The parser a model family's chat format implies, or None where it is not unambiguous."""
+    if model_type in _FAMILY_PARSER:
+        return _FAMILY_PARSER[model_type]
+    for arch in architectures:
+        if arch in _ARCH_PARSER:
+            return _ARCH_PARSER[arch]
+    return None
