@@ -25,7 +25,7 @@ SERVE_EPILOG = """examples:
 # Option groups for --help, by flag; anything not listed lands in "other options".
 _GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("--model-path", "--tokenizer-path", "--served-model-name", "--chat-template",
-              "--dtype", "--device", "--quantization", "--context-length"),
+              "--tool-call-parser", "--dtype", "--device", "--quantization", "--context-length"),
     "server": ("--host", "--port", "--api-key", "--log-level", "--incremental-streaming-output",
                "--graceful-shutdown-timeout", "--max-request-body-bytes", "--max-prompt-tokens",
                "--max-batch-size"),

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lockstep.function_call.registry import TOOL_CALL_PARSERS
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
 QUANTIZATION_METHODS = ("fp16",)
@@ -26,6 +28,11 @@ class ServerArgs:
     chat_template: str | None = field(
         default=None, metadata={"help": "Built-in name (gemma, llama3, chatml) or a Jinja file."}
     )
+    tool_call_parser: str | None = field(default=None, metadata={
+        "help": "How tool calls are read from the model's replies under tool_choice 'auto' "
+                "(SGLang's names). Default: the model family's format (Qwen2/3: qwen25, "
+                "Llama: llama3); Gemma 3 has none.",
+        "choices": list(TOOL_CALL_PARSERS)})
     dtype: str = field(
         default="auto",
         metadata={"help": "auto: bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32.",

@@ -82,15 +82,6 @@ def test_text_parts_are_concatenated_and_other_parts_rejected():
         )
 
 
-def test_builtin_templates_reject_tools():
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    for name, template in BUILTIN_CHAT_TEMPLATES.items():
-        with pytest.raises(
-            ChatTemplateError, match=f"tools are not supported by the built-in {name}"
-        ):
-            render_chat(template, [{"role": "user", "content": "x"}], tools=tools)
-
-
 def test_transformers_style_environment():
     template = (
         "{% for m in messages %}{% generation %}{{ m | tojson }}{% endgeneration %}\n"

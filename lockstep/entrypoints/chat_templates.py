@@ -20,65 +20,12 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from lockstep.entrypoints.builtin_chat_templates import BUILTIN_CHAT_TEMPLATES
+
 
 class ChatTemplateError(ValueError):
     """A chat template that cannot be found, compiled or rendered for the given messages."""
 
-
-# Gemma has no system role: the official template puts the system text at the top of the first
-# user turn, separated by a blank line, and strips each turn's content.
-_GEMMA = r"""
-{%- if tools -%}
-  {{- raise_exception("tools are not supported by the built-in gemma chat template") -}}
-{%- endif -%}
-{{- bos_token -}}
-{%- set ns = namespace(prefix="", turns=messages) -%}
-{%- if messages and messages[0].role == "system" -%}
-  {%- set ns.prefix = messages[0].content ~ "\n\n" -%}
-  {%- set ns.turns = messages[1:] -%}
-{%- endif -%}
-{%- for m in ns.turns -%}
-  {%- if (m.role == "user") != (loop.index0 % 2 == 0) -%}
-    {{- raise_exception("Conversation roles must alternate user/assistant/user/assistant/... after an optional system message") -}}
-  {%- endif -%}
-  {{- "<start_of_turn>" ~ ("model" if m.role == "assistant" else m.role) ~ "\n" -}}
-  {%- if loop.first -%}{{- ns.prefix -}}{%- endif -%}
-  {{- m.content | trim -}}
-  {{- "<end_of_turn>\n" -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- "<start_of_turn>model\n" -}}
-{%- endif -%}
-"""
-
-# Llama 3 (Instruct) format; the BOS comes with the first message, contents are stripped.
-_LLAMA3 = r"""
-{%- if tools -%}
-  {{- raise_exception("tools are not supported by the built-in llama3 chat template") -}}
-{%- endif -%}
-{%- for m in messages -%}
-  {%- if loop.first -%}{{- bos_token -}}{%- endif -%}
-  {{- "<|start_header_id|>" ~ m.role ~ "<|end_header_id|>\n\n" ~ (m.content | trim) ~ "<|eot_id|>" -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- "<|start_header_id|>assistant<|end_header_id|>\n\n" -}}
-{%- endif -%}
-"""
-
-# ChatML as Qwen uses it; content is kept verbatim.
-_CHATML = r"""
-{%- if tools -%}
-  {{- raise_exception("tools are not supported by the built-in chatml chat template") -}}
-{%- endif -%}
-{%- for m in messages -%}
-  {{- "<|im_start|>" ~ m.role ~ "\n" ~ m.content ~ "<|im_end|>\n" -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  {{- "<|im_start|>assistant\n" -}}
-{%- endif -%}
-"""
-
-BUILTIN_CHAT_TEMPLATES: dict[str, str] = {"gemma": _GEMMA, "llama3": _LLAMA3, "chatml": _CHATML}
 
 ARCH_TO_TEMPLATE: dict[str, str] = {
     "gemma": "gemma",

@@ -1,0 +1,115 @@
+"""Parsers for the formats a grammar forces when a call is required, not the model's own.
+
+With tool_choice "required" the output is constrained to a JSON array of calls,
+[{"name": ..., "arguments": {...}}, ...]; with a named function it is constrained to that
+function's arguments object alone. Either way the grammar fixes the shape, so these parsers
+stream calls the same way the model-format parsers do, from the same base.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from lockstep.function_call.core import ToolCallParser
+from lockstep.function_call.json_call import JsonCallScanner, Status
+
+
+class CallArrayParser(ToolCallParser):
+    """[{"name": ..., "arguments": {...}}, ...] and nothing else."""
+
+    name = "call_array"
+
+    def __init__(self, tool_names: Iterable[str]) -> None:
+        super().__init__(tool_names)
+        self._mode = "open"
+        self._scanner: JsonCallScanner | None = None
+
+    def _step(self, final: bool) -> bool:
+        rest = self._buf[self._pos:]
+        stripped = rest.lstrip()
+        if self._mode == "block":
+            return self._block(final)
+        if self._mode == "broken":
+            self._pos = len(self._buf)
+            return False
+        if not stripped:
+            if final and self._mode != "done":  # the text ended inside the array
+                self._mode = "broken"
+                self._malformed = True
+            return False
+        expected = {"open": "[", "first": "{]", "next": ",]"}.get(self._mode)
+        if expected is None or stripped[0] not in expected:
+            self._malformed = True
+            self._mode = "broken"
+            return True
+        self._pos += len(rest) - len(stripped) + 1
+        if stripped[0] == "[":
+            self._mode = "first"
+        elif stripped[0] == "]":
+            self._mode = "broken" if self.num_calls == 0 else "done"
+            self._malformed = self.num_calls == 0
+        elif stripped[0] == "{":
+            self._pos -= 1
+            self._open_block()
+        else:  # ","
+            self._open_block()
+        return True
+
+    def _open_block(self) -> None:
+        self._scanner = JsonCallScanner(self.tool_names, self._pos, self._start_call,
+                                        self._arguments)
+        self._mode = "block"
+
+    def _block(self, final: bool) -> bool:
+        scanner = self._scanner
+        if scanner is None:
+            return False
+        status = scanner.advance(self._buf, final)
+        if status is Status.MORE:
+            return False
+        if status is Status.DONE:
+            self._end_call(ok=True)
+            self._pos = scanner.end
+            self._mode = "next"
+        else:
+            if scanner.announced:
+                self._end_call(ok=False)
+            self._malformed = True
+            self._mode = "broken"
+        return True
+
+
+class NamedArgumentsParser(ToolCallParser):
+    """The arguments object of one call to a function named in advance."""
+
+    name = "named_arguments"
+
+    def __init__(self, tool_names: Iterable[str]) -> None:
+        names = sorted(tool_names)
+        if len(names) != 1:
+            raise ValueError("a named-function parser takes exactly one function name")
+        super().__init__(names)
+        self._function = names[0]
+        self._started = False
+
+    def _step(self, final: bool) -> bool:
+        if not self._started:
+            self._started = True
+            self._start_call(self._function)
+        piece = self._buf[self._pos:]
+        self._pos = len(self._buf)
+        self._arguments(piece)
+        if final:
+            self._end_call(ok=_is_object(self._arguments_text()))
+        return False
+
+    def _arguments_text(self) -> str:
+        return "".join(self._calls[0][2:]) if self._calls else ""
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
