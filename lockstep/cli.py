@@ -105,7 +105,7 @@ def serve_parser(prog: str = "lockstep serve") -> argparse.ArgumentParser:
 def run_serve(argv: Sequence[str], prog: str = "lockstep serve") -> None:
     parser = serve_parser(prog)
     args = server_args_from(parser, parser.parse_args(list(argv)))
-    from lockstep.entrypoints.http_server import launch_server
+    from lockstep.entrypoints.serve import launch_server
 
     launch_server(args)
 

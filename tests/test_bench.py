@@ -6,12 +6,6 @@ Nothing here times anything: the assertions are about counts and arithmetic, nev
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,6 +16,7 @@ from lockstep.bench.datasets import (
     sample_random_requests,
 )
 from lockstep.bench.serving import RequestOutput, calculate_metrics, request_intervals
+from lockstep.testing.live_server import LiveServer
 from lockstep.testing.tiny_models import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,56 +154,13 @@ def test_one_batch_on_tiny_model(tiny_llama: Path, tmp_path: Path, capsys) -> No
 # ---- serving client against a live server ------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def live_server(tiny_llama: Path, tmp_path_factory):
     """`python -m lockstep.launch_server` on the tiny model and a free port; ended by PID."""
-    if not (REPO / "lockstep/entrypoints/http_server.py").exists():
-        pytest.skip("no HTTP server yet")
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lockstep.launch_server", "--model-path", str(tiny_llama),
-         "--port", str(port), "--max-total-tokens", "4096", "--dtype", "float32"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        try:
-            _wait_healthy(f"http://127.0.0.1:{port}", proc)
-        except Exception:
-            log.flush()
-            raise RuntimeError(f"server failed to start:\n{log_path.read_text()[-3000:]}") from None
-        yield port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    server = LiveServer("--model-path", str(tiny_llama), "--max-total-tokens", "4096",
+                        "--dtype", "float32", log_dir=tmp_path_factory.mktemp("server"))
+    yield server.port
+    server.stop()
 
 
 @pytest.mark.parametrize("backend", ["lockstep", "openai"])

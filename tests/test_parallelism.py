@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from lockstep.entrypoints.engine import launch_subprocesses
-from lockstep.entrypoints.protocol import GenerateReqInput
 from lockstep.managers.data_parallel_controller import Dispatcher
+from lockstep.managers.generate_request import GenerateReqInput
 from lockstep.managers.io_struct import LoadReport, SamplingParams, TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion

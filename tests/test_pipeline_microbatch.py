@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import queue
-import socket
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from lockstep.model_executor.forward_batch import (
 )
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
+from lockstep.utils.process import free_port
 from tests.conftest import tiny_prompts
 
 MAX_NEW = 8
@@ -99,12 +99,6 @@ def _flat(rows: list[list[tuple[float, int]] | None]) -> list[float]:
 
 # ---- (b, c) ranks as processes: a pipeline with 1, 2 and 3 micro-batches ------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pipeline_rank(rank: int, tp: int, pp: int, addr: str, model_dir: str,
                    prompts: list[list[int]], splits: list[int], results: Any) -> None:
     """One rank of a tp x pp replica, built as a scheduler process builds it, driven by the
@@ -144,7 +138,7 @@ def _run_pipeline(tp: int, pp: int, model_dir: Any, prompts: list[list[int]],
                   splits: list[int]) -> dict[int, dict[int, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_pipeline_rank,
                          args=(r, tp, pp, addr, str(model_dir), prompts, splits, results))
              for r in range(tp * pp)]

@@ -5,6 +5,7 @@ import json
 import pydantic
 import pytest
 
+from lockstep.entrypoints.errors import format_validation_error
 from lockstep.entrypoints.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -20,16 +21,13 @@ from lockstep.entrypoints.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
-    ErrorResponse,
-    GenerateReqInput,
     ModelCard,
     ModelList,
-    SamplingParamsModel,
     TopLogprob,
     UsageInfo,
-    error_body,
-    format_validation_error,
 )
+from lockstep.managers.generate_request import GenerateReqInput, SamplingParamsModel
+from lockstep.utils.http import ErrorResponse, error_body
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"prompt": "hi"}
@@ -263,7 +261,7 @@ BAD_INPUTS = [
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}
             ]
         },
-        "messages[0].content: part 0 has type 'image_url'; only text parts are supported",
+        "messages[0].content[0]: has type 'image_url'; only 'text' parts are supported",
     ),
     (
         ChatCompletionRequest,
@@ -283,17 +281,17 @@ BAD_INPUTS = [
     (
         ChatCompletionRequest,
         {**CHAT, "response_format": {"type": "json_object"}},
-        'response_format: type \'json_object\' is not supported; only {"type": "text"} is',
+        "response_format.type: must be 'text', got 'json_object'",
     ),
     (
         ChatCompletionRequest,
         {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-        "tools: tool calling is not supported",
+        "tools: is not supported by this server",
     ),
     (
         ChatCompletionRequest,
         {**CHAT, "tool_choice": "required"},
-        "tool_choice: tool calling is not supported",
+        "tool_choice: must be 'none' or 'auto', got 'required'",
     ),
     (
         ChatCompletionRequest,

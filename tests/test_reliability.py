@@ -543,7 +543,7 @@ def test_watchdog_fires_only_when_busy_and_stalled(tmp_path):
 
 
 def test_health_status_follows_the_phase():
-    from lockstep.entrypoints.http_server import ServerStatus
+    from lockstep.entrypoints.middleware import ServerStatus
 
     class FakeLaunched:
         failed = None

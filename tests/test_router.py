@@ -317,7 +317,7 @@ def test_proxied_routes(servers, make_router):
     aborted = post(router.url, "/abort_request", {"rid": "no-such-request"})
     assert aborted.status_code == 200, aborted.text
     metrics = requests.get(router.url + "/metrics", timeout=10).text
-    assert f'lockstep_router:healthy{{worker="{a}"}} 1' in metrics
+    assert f'lockstep_router:healthy{{worker="{a}"}} 1.0' in metrics
     assert post(router.url, "/nope", {}).status_code == 404
 
 

@@ -27,8 +27,9 @@ from typing import Any
 import pydantic
 
 from lockstep.entrypoints.engine import launch_subprocesses
-from lockstep.entrypoints.openai_api import Fanout, run_to_completion, start_stream
-from lockstep.entrypoints.protocol import GenerateReqInput, format_validation_error
+from lockstep.entrypoints.errors import format_validation_error
+from lockstep.entrypoints.fanout import Fanout, run_to_completion, start_stream
+from lockstep.managers.generate_request import GenerateReqInput
 from lockstep.managers.io_struct import ReqOutput
 from lockstep.managers.tokenizer_manager import RequestError
 from lockstep.server_args import ServerArgs

@@ -11,14 +11,14 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from lockstep.entrypoints.protocol import SamplingParamsModel, SingleGenerateReq
+from lockstep.managers.generate_request import SamplingParamsModel, SingleGenerateReq
 from lockstep.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -62,7 +62,8 @@ class ReqState:
     finished: bool = False
     created: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
-    last_token_time: float | None = None
+    last_token_time: float | None = None  # of the last output that carried tokens
+    outputs_seen: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -83,7 +84,8 @@ class TokenizerManager:
         self.from_detokenizer.bind(ports.tokenizer_ipc)
         self.states: dict[str, ReqState] = {}
         self.control_waiters: list[asyncio.Future] = []
-        self.observers: list[Any] = []  # called with (state, output) on every output (metrics)
+        # Called with (state, output, now) on every output, before the state takes it in.
+        self.observers: list[Callable[[ReqState, ReqOutput, float], None]] = []
         self._loop_task: asyncio.Task | None = None
 
     def close(self) -> None:
@@ -189,9 +191,13 @@ class TokenizerManager:
 
     def _merge(self, state: ReqState, out: ReqOutput, req: SingleGenerateReq) -> dict[str, Any]:
         now = time.perf_counter()
-        if out.new_token_ids and state.first_token_time is None:
-            state.first_token_time = now
-        state.last_token_time = now
+        for observe in self.observers:
+            observe(state, out, now)
+        state.outputs_seen += 1
+        if out.new_token_ids:
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.last_token_time = now
         state.text += out.text_delta
         state.output_ids.extend(out.new_token_ids)
         state.finished = out.finish_reason is not None
@@ -209,8 +215,6 @@ class TokenizerManager:
                     [self._lp(t, req) for t in out.output_top_logprobs])
                 meta.setdefault("input_top_logprobs", []).extend(
                     [self._lp(t, req) if t else None for t in out.input_top_logprobs])
-        for observe in self.observers:
-            observe(state, out)
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": dict(meta),
                 "text_delta": out.text_delta, "new_token_ids": list(out.new_token_ids)}
 

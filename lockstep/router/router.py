@@ -36,11 +36,14 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
+from lockstep.router.metrics import render as render_metrics
 from lockstep.router.policies import POLICIES, Policy, make_policy, routing_text
-from lockstep.utils.asgi import DisconnectAwareStreamingResponse, wait_disconnect
+from lockstep.utils.asgi import SSE_HEADERS, DisconnectAwareStreamingResponse, wait_disconnect
+from lockstep.utils.http import error_body, error_response, json_response
 
 logger = logging.getLogger("lockstep.router")
 
@@ -48,22 +51,7 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 # Request headers worth passing on; hop-by-hop ones and Host/Content-Length are aiohttp's job.
 _FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent")
 _FORWARD_RESPONSE_HEADERS = ("content-type", "www-authenticate", "retry-after")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _RETRYABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
-
-
-def error_body(message: str, status: int) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
-
-
-def error_response(message: str, status: int) -> Response:
-    return Response(orjson.dumps(error_body(message, status)), status,
-                    media_type="application/json")
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status, media_type="application/json")
 
 
 def normalize_url(url: str) -> str:
@@ -562,29 +550,8 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        lines = []
-
-        def metric(name: str, kind: str, doc: str, values: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP lockstep_router:{name} {doc}",
-                          f"# TYPE lockstep_router:{name} {kind}"])
-            lines.extend(f"lockstep_router:{name}{labels} {value}" for labels, value in values)
-
-        per = list(router.workers.values())
-        lab = [f'{{worker="{w.url}"}}' for w in per]
-        metric("requests_total", "counter", "Attempts sent to each worker.",
-               [(la, w.requests) for la, w in zip(lab, per)])
-        metric("completed_total", "counter", "Requests answered from each worker.",
-               [(la, w.completed) for la, w in zip(lab, per)])
-        metric("failed_total", "counter", "Failed attempts (connection, 5xx, cut stream).",
-               [(la, w.failed) for la, w in zip(lab, per)])
-        metric("in_flight", "gauge", "Requests in flight to each worker.",
-               [(la, w.load) for la, w in zip(lab, per)])
-        metric("healthy", "gauge", "1 while the worker is in rotation.",
-               [(la, int(w.healthy)) for la, w in zip(lab, per)])
-        metric("retries_total", "counter", "Attempts retried on another worker.",
-               [("", router.retries)])
-        return PlainTextResponse("\n".join(lines) + "\n",
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(render_metrics(lambda: router.workers.values(), lambda: router.retries),
+                        media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -60,7 +60,7 @@ def generate_through(launched: Any, prompts: list[list[int]], max_new: int,
     """Greedy-generate through a launched server's TokenizerManager (real processes, real ZMQ)."""
     import asyncio
 
-    from lockstep.entrypoints.protocol import GenerateReqInput
+    from lockstep.managers.generate_request import GenerateReqInput
 
     tm = launched.tokenizer_manager
 

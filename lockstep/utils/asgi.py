@@ -43,3 +43,13 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
     async def _stream(self, send: Any) -> None:
         with contextlib.suppress(OSError):  # the client went away mid-write
             await self.stream_response(send)
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(DisconnectAwareStreamingResponse):
+    """A server-sent-event stream; closing its body iterator is what aborts the work behind it."""
+
+    def __init__(self, content: Any, status_code: int = 200) -> None:
+        super().__init__(content, status_code, headers=SSE_HEADERS, media_type="text/event-stream")

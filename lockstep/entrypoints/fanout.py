@@ -1,0 +1,165 @@
+"""Running the single requests one HTTP request (or Engine call) fans out into (prompts x n).
+
+`Fanout` runs them at once and hands back their outputs in arrival order. It first waits for
+every request's first output, so a request the server refuses (bad input, a prompt that can
+never fit) becomes a 4xx before any 200 or stream starts; closing it aborts whatever is still
+running, which frees the KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+
+from lockstep.entrypoints.errors import ClientGone
+from lockstep.managers.generate_request import GenerateReqInput, SingleGenerateReq
+from lockstep.managers.tokenizer_manager import RequestError, TokenizerManager
+from lockstep.utils.asgi import wait_disconnect
+
+
+def abort_error(item: dict[str, Any]) -> RequestError | None:
+    """The scheduler refuses a request it can never serve with an abort carrying a status code."""
+    reason = item["meta_info"].get("finish_reason") or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        return RequestError(reason.get("message") or "request aborted", int(reason["status_code"]))
+    return None
+
+
+class Fanout:
+    """Runs single requests concurrently; `items()` yields (index, output) in arrival order.
+
+    Call `start()` first: it returns once every request has produced its first output and
+    raises RequestError if any was refused. With `request`, a client disconnect while waiting
+    raises ClientGone. Always `close()` it (also safe inside a cancelled task): requests still
+    running are aborted."""
+
+    def __init__(self, tm: TokenizerManager, singles: list[SingleGenerateReq]) -> None:
+        self.tm = tm
+        self.singles = singles
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.buffer: list[tuple[int, dict[str, Any]]] = []
+        self.open = len(singles)
+        self.watcher: asyncio.Future | None = None
+
+    async def _pump(self, index: int, single: SingleGenerateReq) -> None:
+        try:
+            async with contextlib.aclosing(self.tm.generate(single)) as gen:
+                async for item in gen:
+                    self.queue.put_nowait((index, item, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self.queue.put_nowait((index, None, e))
+            return
+        self.queue.put_nowait((index, None, None))
+
+    async def start(self, request: Request | None = None, keep_watching: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._pump(i, s)) for i, s in enumerate(self.singles)]
+        if request is not None:
+            self.watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+        waiting = set(range(len(self.singles)))
+        try:
+            while waiting:
+                index, item, err = await self._get()
+                if err is not None:
+                    raise err
+                if item is None:  # ended without output: cannot happen, but never hang on it
+                    self.open -= 1
+                    waiting.discard(index)
+                    continue
+                refused = abort_error(item)
+                if refused is not None:
+                    raise refused
+                self.buffer.append((index, item))
+                waiting.discard(index)
+        except BaseException:
+            self.close()
+            raise
+        if not keep_watching and self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+    async def _get(self) -> tuple[int, dict[str, Any] | None, BaseException | None]:
+        if self.watcher is None:
+            return await self.queue.get()
+        getter = asyncio.ensure_future(self.queue.get())
+        try:
+            await asyncio.wait({getter, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        raise ClientGone()
+
+    async def items(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        buffered, self.buffer = self.buffer, []
+        for entry in buffered:
+            yield entry
+        while self.open:
+            index, item, err = await self._get()
+            if err is not None:
+                raise err
+            if item is None:
+                self.open -= 1
+                continue
+            yield index, item
+
+    async def collect(self) -> list[dict[str, Any]]:
+        """The last output of every request, by index (non-streaming)."""
+        finals: list[dict[str, Any] | None] = [None] * len(self.singles)
+        async for index, item in self.items():
+            finals[index] = item
+        missing = [i for i, f in enumerate(finals) if f is None]
+        if missing:
+            raise RuntimeError(f"requests {missing} ended without output")
+        return finals  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+
+def check_fanout(gen_in: GenerateReqInput, limit: int) -> None:
+    """Refuse a request that would fan out into more than `limit` generations (prompts x n)
+    before any of them is built."""
+    sp = gen_in.sampling_params
+    size = sum(p.n for p in sp) if isinstance(sp, list) else gen_in.batch_size * sp.n
+    if size > limit:
+        raise RequestError(f"this request fans out into {size} generations (prompts x n); "
+                           f"the limit is {limit} (--max-batch-size)")
+
+
+async def run_to_completion(tm: TokenizerManager, singles: list[SingleGenerateReq],
+                            request: Request | None) -> list[dict[str, Any]]:
+    """Non-streaming: every request's final output; a refused request raises RequestError, a
+    disconnected client raises ClientGone (its requests are aborted)."""
+    fan = Fanout(tm, singles)
+    try:
+        await fan.start(request, keep_watching=True)
+        finals = await fan.collect()
+    finally:
+        fan.close()
+    for item in finals:
+        refused = abort_error(item)
+        if refused is not None:
+            raise refused
+    return finals
+
+
+async def start_stream(tm: TokenizerManager, singles: list[SingleGenerateReq],
+                       request: Request | None) -> Fanout:
+    """Streaming: a started Fanout (errors are raised here, before any byte is sent)."""
+    fan = Fanout(tm, singles)
+    await fan.start(request)
+    return fan
