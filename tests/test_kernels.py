@@ -117,3 +117,150 @@ def test_torch_linear_and_embedding_are_the_reference() -> None:
     assert torch.equal(embedding(ids, blocks, "Q8_0", 96), w[ids])
     with pytest.raises(ValueError, match=r"float32 x \[M, 96\]"):
         linear(x.double(), blocks, "Q8_0", 96)
+
+
+# ---------------------------------------------------------------- compiled variants
+
+def variant_params() -> list:
+    from lockstep.kernels.build import VARIANTS, missing_flags
+
+    out = []
+    for v in VARIANTS:
+        lacking = missing_flags(v)
+        mark = pytest.mark.skipif(bool(lacking), reason=f"this CPU lacks {', '.join(lacking)} for {v}")
+        out.append(pytest.param(v, marks=mark))
+    return out
+
+
+@functools.cache
+def compiled(variant: str):
+    from lockstep.kernels.build import load_variant
+
+    return load_variant(variant)
+
+
+def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    return (x.double() @ dequantize(qtype, blocks, k).double().T).float()
+
+
+def assert_close_to_reference(y: torch.Tensor, ref: torch.Tensor, k: int) -> None:
+    # float32 sums of k products against float64: a few ulps of the magnitudes involved
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6 * k**0.5 * max(1.0, ref.abs().max().item()))
+
+
+def assert_batch_invariant(run, x: torch.Tensor) -> torch.Tensor:
+    """Each row of run(x) equals run on that row alone, and on the rows shuffled, bitwise."""
+    y = run(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(run(x[i : i + 1])[0], y[i]), f"row {i} differs alone vs in a batch of {len(x)}"
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(5))
+    assert torch.equal(run(x[perm]), y[perm])
+    return y
+
+
+@pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_linear_matches_reference_and_is_batch_invariant(variant: str, qtype: str) -> None:
+    mod = compiled(variant)
+    k = 512
+    g = torch.Generator().manual_seed(6)
+    for n in (1, 37):  # one row; rows not a multiple of any tile
+        blocks = random_blocks(qtype, n, k, seed=n)
+        x = torch.randn(64, k, generator=g)
+        for m in (1, 2, 7, 32, 64):
+            xm = x[:m].contiguous()
+            y = mod.linear(xm, blocks, qtype, k)
+            assert_close_to_reference(y, reference(xm, blocks, qtype, k), k)
+            assert torch.equal(y[:1], mod.linear(x[:1].contiguous(), blocks, qtype, k))
+        assert_batch_invariant(lambda a, b=blocks: mod.linear(a.contiguous(), b, qtype, k), x[:32])
+    ids = torch.tensor([36, 0, 5, 36])
+    assert torch.equal(mod.embedding(ids, blocks, qtype, k), dequantize(qtype, blocks, k)[ids])
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_strided_rows_of_whole_blocks(variant: str) -> None:
+    """A row-parallel shard is a column slice of whole blocks: served without a copy, same numbers."""
+    blocks = random_blocks("Q4_K", 19, 1024, seed=7)
+    shard = blocks[:, 144 * 2 : 144 * 4]  # input elements 512..1023
+    assert not shard.is_contiguous()
+    x = torch.randn(3, 512)
+    y = compiled(variant).linear(x, shard, "Q4_K", 512)
+    assert torch.equal(y, compiled(variant).linear(x, shard.contiguous(), "Q4_K", 512))
+
+
+def test_variants_agree_bitwise() -> None:
+    """The AVX2 and AVX-512 builds sum in the same lane order: identical outputs, not just close ones."""
+    from lockstep.kernels.build import missing_flags
+
+    if missing_flags("avx512"):
+        pytest.skip(f"this CPU lacks {', '.join(missing_flags('avx512'))} for avx512")
+    x = torch.randn(5, 768)
+    for qtype in ("Q8_0", "Q5_0", "F16"):
+        blocks = random_blocks(qtype, 21, 768, seed=8)
+        ys = [compiled(v).linear(x, blocks, qtype, 768) for v in ("avx2", "avx512")]
+        assert torch.equal(*ys), qtype
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_default_gguf_head_262k(variant: str) -> None:
+    """The tied 262144 x 640 Q8_0 head of the default model, at batch 1 and as a row of a batch."""
+    t = next(t for t in default_gguf().tensors if t.name == "token_embd.weight")
+    head = torch.from_numpy(np.array(t.data))
+    mod = compiled(variant)
+    x = torch.randn(3, 640)
+    y1 = mod.linear(x[1:2].contiguous(), head, "Q8_0", 640)
+    assert y1.shape == (1, 262144)
+    assert torch.equal(mod.linear(x, head, "Q8_0", 640)[1], y1[0])
+    assert_close_to_reference(y1, reference(x[1:2], head, "Q8_0", 640), 640)
+
+
+SELECT_PROBE = """
+import logging, torch
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from lockstep.kernels import has_kernel, kernel_variant, linear, dequantize, quantize
+w = quantize("Q8_0", torch.randn(8, 64))
+x = torch.randn(2, 64)
+assert torch.allclose(linear(x, w, "Q8_0", 64), x @ dequantize("Q8_0", w, 64).T, atol=1e-5)
+print("RESULT", kernel_variant(), has_kernel("Q8_0"))
+"""
+
+
+def run_probe(env: dict[str, str]) -> tuple[str, str]:
+    import os
+    import subprocess
+    import sys
+
+    full = {**os.environ, **env}
+    proc = subprocess.run([sys.executable, "-c", SELECT_PROBE], env=full, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+    return result, proc.stderr
+
+
+def test_forced_torch_serves_the_reference() -> None:
+    result, log = run_probe({"LOCKSTEP_KERNEL_ISA": "torch"})
+    assert result == "RESULT torch False"
+    assert "serving on the torch reference (LOCKSTEP_KERNEL_ISA=torch)" in log
+
+
+def test_no_compiler_serves_torch_and_says_why_once(tmp_path) -> None:
+    from lockstep.kernels.build import missing_flags
+
+    if missing_flags("avx2"):
+        pytest.skip(f"this CPU lacks {', '.join(missing_flags('avx2'))}: nothing would be compiled")
+    # an empty kernel cache and a compiler that does not exist
+    result, log = run_probe({"LOCKSTEP_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-c++"),
+                             "LOCKSTEP_KERNEL_ISA": "avx2"})
+    assert result == "RESULT torch False"
+    assert log.count("lockstep CPU kernels unavailable, serving on the torch reference") == 1, log
+
+
+def test_automatic_selection_picks_the_best_variant_the_cpu_runs() -> None:
+    from lockstep.kernels.build import missing_flags
+
+    expect = next((v for v in ("avx512", "avx2") if not missing_flags(v)), "torch")
+    result, log = run_probe({"LOCKSTEP_KERNEL_ISA": ""})
+    assert result == f"RESULT {expect} {expect != 'torch'}"
+    assert f"lockstep CPU kernels: {expect} variant" in log or expect == "torch"

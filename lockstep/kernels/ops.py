@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.kernels.blocks import check_blocks, dequantize
+from lockstep.kernels.blocks import GGML_BLOCKS, check_blocks, dequantize
+from lockstep.kernels.build import selected
+
+# the compiled kernels work in groups of 32 input elements; float rows of other lengths use the reference
+_GROUP = 32
 
 
 def kernel_variant() -> str:
-    """"avx512" | "avx2" | "torch": the variant this process serves with (selected once)."""
-    return "torch"
+    """"avx512" | "avx2" | "torch": the variant this process serves with (selected once, see build.py)."""
+    return selected()[0]
 
 
 def has_kernel(qtype: str) -> bool:
     """True when a compiled kernel serves `qtype` on this machine now."""
-    return False
+    return qtype in GGML_BLOCKS and selected()[1] is not None
 
 
 def _check_x(x: torch.Tensor, n_cols: int) -> None:
@@ -23,13 +27,26 @@ def _check_x(x: torch.Tensor, n_cols: int) -> None:
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
-    """y[M, N] = x[M, K] @ dequantize(qtype, blocks, K).T for float32 x [M, K=n_cols]."""
+    """y[M, N] = x[M, K] @ dequantize(qtype, blocks, K).T for float32 x [M, K=n_cols].
+
+    On the compiled path each output element is summed in an order that depends on nothing but that
+    element, so a row of y is bitwise the same whatever M and the other rows of x are.
+    """
     check_blocks(qtype, blocks, n_cols)
     _check_x(x, n_cols)
+    module = selected()[1]
+    if module is not None and n_cols % _GROUP == 0 and blocks.stride(1) == 1:
+        return module.linear(x.contiguous(), blocks, qtype, n_cols)
     return x @ dequantize(qtype, blocks, n_cols).T
 
 
 def embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
-    """Rows `ids` (int64 [T]) of the blocks, dequantized: float32 [T, n_cols]."""
+    """Rows `ids` of the blocks, dequantized: float32 [*ids.shape, n_cols] (ids must be in range)."""
     check_blocks(qtype, blocks, n_cols)
-    return dequantize(qtype, blocks[ids.reshape(-1)], n_cols)
+    flat = ids.reshape(-1).to(torch.int64)
+    module = selected()[1]
+    if module is not None and n_cols % _GROUP == 0 and blocks.stride(1) == 1:
+        out = module.embedding(flat.contiguous(), blocks, qtype, n_cols)
+    else:
+        out = dequantize(qtype, blocks[flat], n_cols)
+    return out.reshape(*ids.shape, n_cols)

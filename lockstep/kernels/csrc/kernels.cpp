@@ -1,0 +1,390 @@
+// Weight-only kernels on GGML blocks: y[M, N] = x[M, K] . W^T, W dequantized in registers.
+//
+// One source, compiled twice: with LOCKSTEP_AVX512 (AVX-512 F/BW/VL/DQ) and without (AVX2 + FMA + F16C).
+// Determinism contract: every output element is accumulated the same way whatever M, the tile it lands in,
+// the thread that computes it and the variant: element k of the dot product goes to lane k % 32 of a
+// 32-lane float32 accumulator (fma, in increasing k), then the lanes are summed by a fixed tree
+// (i + i+16, i + i+8, i + i+4, i + i+2, i + i+1). The weights are dequantized with the same float32
+// operations, in the same order, as gguf.quants (and lockstep/kernels/blocks.py); build with
+// -ffp-contract=off so the compiler fuses nothing we did not ask for.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+// ---------------------------------------------------------------- 16 float lanes, per ISA
+#ifdef LOCKSTEP_AVX512
+struct V {
+  __m512 v;
+};
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vset1(float a) { return {_mm512_set1_ps(a)}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V vsub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+// 16 signed bytes -> 16 floats
+inline V from_i8(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }
+inline V from_f16(const uint8_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline V from_bf16(const uint8_t* p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+// lanes i + i+8 -> 8 lanes
+inline __m256 fold8(V a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+}
+#else
+struct V {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vset1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V vfma(V a, V b, V c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V from_i8(__m128i q) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
+inline V from_f16(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline __m256 bf16x8(const uint8_t* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline V from_bf16(const uint8_t* p) { return {bf16x8(p), bf16x8(p + 16)}; }
+inline __m256 fold8(V a) { return _mm256_add_ps(a.lo, a.hi); }
+#endif
+
+// The fixed lane tree over one 32-lane accumulator (a0 = lanes 0-15, a1 = lanes 16-31).
+inline float reduce32(V a0, V a1) {
+  __m256 h = fold8(vadd(a0, a1));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i lo_nibbles(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(0x0F)); }
+inline __m128i hi_nibbles(__m128i b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)); }
+
+// 16 bits (bit i = element i) -> 16 bytes, 0x10 where the bit is set
+inline __m128i bits_to_0x10(uint32_t bits16) {
+  const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m128i select = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  __m128i b = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits16)), spread);
+  b = _mm_cmpeq_epi8(_mm_and_si128(b, select), select);
+  return _mm_and_si128(b, _mm_set1_epi8(0x10));
+}
+
+// ---------------------------------------------------------------- block decoders
+// Each decodes the b-th group of 32 elements of a row into w0 (elements 0-15) and w1 (16-31).
+struct F32 {
+  static constexpr int kBytes = 128;  // per 32 elements
+  static void load32(const uint8_t* row, int64_t b, V& w0, V& w1) {
+    const float* p = reinterpret_cast<const float*>(row) + 32 * b;
+    w0 = vload(p);
+    w1 = vload(p + 16);
+  }
+};
+struct F16 {
+  static constexpr int kBytes = 64;
+  static void load32(const uint8_t* row, int64_t b, V& w0, V& w1) {
+    w0 = from_f16(row + 64 * b);
+    w1 = from_f16(row + 64 * b + 32);
+  }
+};
+struct BF16 {
+  static constexpr int kBytes = 64;
+  static void load32(const uint8_t* row, int64_t b, V& w0, V& w1) {
+    w0 = from_bf16(row + 64 * b);
+    w1 = from_bf16(row + 64 * b + 32);
+  }
+};
+struct Q8_0 {  // half d, int8 q[32]: w = q * d
+  static constexpr int kBytes = 34;
+  static void load32(const uint8_t* row, int64_t b, V& w0, V& w1) {
+    const uint8_t* p = row + 34 * b;
+    V d = vset1(half_at(p));
+    w0 = vmul(from_i8(load16(p + 2)), d);
+    w1 = vmul(from_i8(load16(p + 18)), d);
+  }
+};
+struct Q4_0 {  // half d, 16 bytes: low nibbles are elements 0-15, high 16-31; w = d * (q - 8)
+  static constexpr int kBytes = 18;
+  static void load32(const uint8_t* row, int64_t b, V& w0, V& w1) {
+    const uint8_t* p = row + 18 * b;
+    V d = vset1(half_at(p));
+    __m128i qs = load16(p + 2);
+    const __m128i eight = _mm_set1_epi8(8);
+    w0 = vmul(d, from_i8(_mm_sub_epi8(lo_nibbles(qs), eight)));
+    w1 = vmul(d, from_i8(_mm_sub_epi8(hi_nibbles(qs), eight)));
+  }
+};
+struct Q5_0 {  // half d, uint32 qh (bit i = 5th bit of element i), 16 bytes of nibbles; w = d * (q - 16)
+  static constexpr int kBytes = 22;
+  static void load32(const uint8_t* row, int64_t b, V& w0, V& w1) {
+    const uint8_t* p = row + 22 * b;
+    V d = vset1(half_at(p));
+    uint32_t qh;
+    std::memcpy(&qh, p + 2, 4);
+    __m128i qs = load16(p + 6);
+    const __m128i sixteen = _mm_set1_epi8(16);
+    __m128i q0 = _mm_or_si128(lo_nibbles(qs), bits_to_0x10(qh & 0xFFFF));
+    __m128i q1 = _mm_or_si128(hi_nibbles(qs), bits_to_0x10(qh >> 16));
+    w0 = vmul(d, from_i8(_mm_sub_epi8(q0, sixteen)));
+    w1 = vmul(d, from_i8(_mm_sub_epi8(q1, sixteen)));
+  }
+};
+// Q4_K super-block of 256: half d, half dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+// (32-byte chunk c: low nibbles = group 2c, high = group 2c+1); w = (d * sc) * q - (dmin * m)
+struct Q4_K {
+  static constexpr int kBytes = 18;  // 144 / 8
+  static void load32(const uint8_t* row, int64_t b, V& w0, V& w1) {
+    const uint8_t* p = row + 144 * (b >> 3);
+    const int j = static_cast<int>(b & 7);
+    const uint8_t* s = p + 4;
+    int sc, mn;
+    if (j < 4) {
+      sc = s[j] & 63;
+      mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    V a = vset1(half_at(p) * static_cast<float>(sc));
+    V m = vset1(half_at(p + 2) * static_cast<float>(mn));
+    const uint8_t* qs = p + 16 + 32 * (j >> 1);
+    __m128i b0 = load16(qs), b1 = load16(qs + 16);
+    if (j & 1) {
+      b0 = hi_nibbles(b0);
+      b1 = hi_nibbles(b1);
+    } else {
+      b0 = lo_nibbles(b0);
+      b1 = lo_nibbles(b1);
+    }
+    w0 = vsub(vmul(a, from_i8(b0)), m);
+    w1 = vsub(vmul(a, from_i8(b1)), m);
+  }
+};
+// Q6_K super-block of 256: ql[128], qh[64], int8 scales[16] (one per 16 elements), half d at the end.
+// Group j = 4h + g: low 4 bits from ql[64h + 32(g&1) + l] (low nibble for g<2, high for g>=2),
+// top 2 bits from qh[32h + l] >> 2g; w = (d * scale) * (q - 32)
+struct Q6_K {
+  static constexpr int kBytes = 27;  // 210 / 8, rounded down (only used to size prefetch)
+  static void load32(const uint8_t* row, int64_t b, V& w0, V& w1) {
+    const uint8_t* p = row + 210 * (b >> 3);
+    const int j = static_cast<int>(b & 7), h = j >> 2, g = j & 3;
+    const float d = half_at(p + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * j;
+    const uint8_t* ql = p + 64 * h + 32 * (g & 1);
+    const uint8_t* qh = p + 128 + 32 * h;
+    const __m128i lshift = _mm_cvtsi32_si128((g >> 1) * 4), hshift = _mm_cvtsi32_si128(2 * g);
+    const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
+    auto decode = [&](int half) {
+      __m128i lo = _mm_and_si128(_mm_srl_epi16(load16(ql + 16 * half), lshift), m4);
+      __m128i hi = _mm_and_si128(_mm_srl_epi16(load16(qh + 16 * half), hshift), m2);
+      return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), off);
+    };
+    w0 = vmul(vset1(d * static_cast<float>(sc[0])), from_i8(decode(0)));
+    w1 = vmul(vset1(d * static_cast<float>(sc[1])), from_i8(decode(1)));
+  }
+};
+
+// ---------------------------------------------------------------- tiles
+#ifdef LOCKSTEP_AVX512
+constexpr int kGemvRows = 4;  // W rows per tile at M = 1
+constexpr int kTileM = 4, kTileN = 2;
+#else
+constexpr int kGemvRows = 2;
+constexpr int kTileM = 3, kTileN = 1;
+#endif
+constexpr int64_t kPrefetchBytes = 8192;
+
+// y[i * ys + j] = dot(x[i * xs ...], W row j) for i < MT, j < NT; W row j at w + j * wstride.
+template <class T, int MT, int NT, bool kPrefetch>
+inline void tile(const uint8_t* w, int64_t wstride, const float* x, int64_t xs, float* y, int64_t ys,
+                 int64_t groups) {
+  V acc[MT][NT][2];
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = vzero();
+  for (int64_t b = 0; b < groups; ++b) {
+    V w0[NT], w1[NT];
+    for (int j = 0; j < NT; ++j) {
+      if (kPrefetch && (b & 1) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * wstride + b * T::kBytes + kPrefetchBytes),
+                     _MM_HINT_T0);
+      T::load32(w + j * wstride, b, w0[j], w1[j]);
+    }
+    for (int i = 0; i < MT; ++i) {
+      V x0 = vload(x + i * xs + 32 * b), x1 = vload(x + i * xs + 32 * b + 16);
+      for (int j = 0; j < NT; ++j) {
+        acc[i][j][0] = vfma(x0, w0[j], acc[i][j][0]);
+        acc[i][j][1] = vfma(x1, w1[j], acc[i][j][1]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NT; ++j) y[i * ys + j] = reduce32(acc[i][j][0], acc[i][j][1]);
+}
+
+// M = 1: stream W once, dequantizing in registers.
+template <class T>
+void gemv(const uint8_t* w, int64_t rb, const float* x, float* y, int64_t n, int64_t groups) {
+  const int64_t tiles = (n + kGemvRows - 1) / kGemvRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t * kGemvRows;
+      if (r + kGemvRows <= n) {
+        tile<T, 1, kGemvRows, true>(w + r * rb, rb, x, 0, y + r, 0, groups);
+      } else {
+        for (int64_t q = r; q < n; ++q) tile<T, 1, 1, true>(w + q * rb, rb, x, 0, y + q, 0, groups);
+      }
+    }
+  });
+}
+
+template <int MT>
+void panel_rows(const float* wp, int64_t k, int64_t rows, const float* x, float* y, int64_t n,
+                int64_t groups) {
+  const auto* wb = reinterpret_cast<const uint8_t*>(wp);
+  const int64_t stride = k * 4;
+  int64_t j = 0;
+  for (; j + kTileN <= rows; j += kTileN)
+    tile<F32, MT, kTileN, false>(wb + j * stride, stride, x, k, y + j, n, groups);
+  for (; j < rows; ++j) tile<F32, MT, 1, false>(wb + j * stride, stride, x, k, y + j, n, groups);
+}
+
+// M > 1: dequantize a panel of W rows once into a float buffer, then run every M tile over it.
+template <class T>
+void gemm(const uint8_t* w, int64_t rb, const float* x, float* y, int64_t m, int64_t n, int64_t k,
+          int64_t groups) {
+  const int64_t panel = std::max<int64_t>(kTileN, (65536 / (4 * k)) / kTileN * kTileN);
+  const int64_t panels = (n + panel - 1) / panel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> buf(static_cast<size_t>(panel * k));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t r0 = p * panel, rows = std::min(panel, n - r0);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = buf.data() + r * k;
+        for (int64_t b = 0; b < groups; ++b) {
+          V w0, w1;
+          T::load32(w + (r0 + r) * rb, b, w0, w1);
+          vstore(out + 32 * b, w0);
+          vstore(out + 32 * b + 16, w1);
+        }
+      }
+      int64_t i = 0;
+      for (; i + kTileM <= m; i += kTileM)
+        panel_rows<kTileM>(buf.data(), k, rows, x + i * k, y + i * n + r0, n, groups);
+      for (; i < m; ++i) panel_rows<1>(buf.data(), k, rows, x + i * k, y + i * n + r0, n, groups);
+    }
+  });
+}
+
+// rows ids of W, dequantized: out[t] = W[ids[t]]
+template <class T>
+void gather(const uint8_t* w, int64_t rb, const int64_t* ids, float* out, int64_t t, int64_t k,
+            int64_t groups) {
+  at::parallel_for(0, t, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t r = t0; r < t1; ++r) {
+      for (int64_t b = 0; b < groups; ++b) {
+        V w0, w1;
+        T::load32(w + ids[r] * rb, b, w0, w1);
+        vstore(out + r * k + 32 * b, w0);
+        vstore(out + r * k + 32 * b + 16, w1);
+      }
+    }
+  });
+}
+
+template <class F>
+void dispatch(const std::string& qtype, F&& f) {
+  if (qtype == "Q8_0") return f(Q8_0{});
+  if (qtype == "Q4_0") return f(Q4_0{});
+  if (qtype == "Q5_0") return f(Q5_0{});
+  if (qtype == "Q4_K") return f(Q4_K{});
+  if (qtype == "Q6_K") return f(Q6_K{});
+  if (qtype == "F16") return f(F16{});
+  if (qtype == "BF16") return f(BF16{});
+  if (qtype == "F32") return f(F32{});
+  TORCH_CHECK(false, "lockstep kernels: no kernel for block type ", qtype);
+}
+
+void check_blocks(const at::Tensor& blocks, int64_t k) {
+  // rows may be strided (a slice of whole blocks of a wider tensor), bytes within a row contiguous
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1,
+              "blocks must be uint8 [N, row_bytes] with contiguous rows");
+  TORCH_CHECK(k > 0 && k % 32 == 0, "the kernels take rows of whole 32-element groups, got ", k);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& qtype, int64_t k) {
+  check_blocks(blocks, k);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == k,
+              "x must be contiguous float32 [M, ", k, "]");
+  const int64_t m = x.size(0), n = blocks.size(0), rb = blocks.stride(0), groups = k / 32;
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  dispatch(qtype, [&](auto t) {
+    using T = decltype(t);
+    if (m == 1)
+      gemv<T>(w, rb, xp, yp, n, groups);
+    else
+      gemm<T>(w, rb, xp, yp, m, n, k, groups);
+  });
+  return y;
+}
+
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, const std::string& qtype, int64_t k) {
+  check_blocks(blocks, k);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+              "ids must be contiguous int64 [T]");
+  const int64_t t = ids.size(0), n = blocks.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < t; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "id ", ip[r], " out of range [0, ", n, ")");
+  at::Tensor out = at::empty({t, k}, blocks.options().dtype(at::kFloat));
+  dispatch(qtype, [&](auto tag) {
+    using T = decltype(tag);
+    gather<T>(blocks.data_ptr<uint8_t>(), blocks.stride(0), ip, out.data_ptr<float>(), t, k, k / 32);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("linear", &linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("embedding", &embedding, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
