@@ -229,32 +229,35 @@ constexpr int kGemvRows = 2;
 constexpr int kTileM = 3, kTileN = 1;
 #endif
 constexpr int64_t kPrefetchBytes = 8192;
+// Unrolled before GCC's scalar replacement runs, so the accumulator arrays live in registers
+// (left as loops, every accumulator is stored to the stack on every iteration).
+#define UNROLL _Pragma("GCC unroll 8")
 
 // y[i * ys + j] = dot(x[i * xs ...], W row j) for i < MT, j < NT; W row j at w + j * wstride.
 template <class T, int MT, int NT, bool kPrefetch>
 inline void tile(const uint8_t* w, int64_t wstride, const float* x, int64_t xs, float* y, int64_t ys,
                  int64_t groups) {
   V acc[MT][NT][2];
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = vzero();
+  UNROLL for (int i = 0; i < MT; ++i)
+    UNROLL for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = vzero();
   for (int64_t b = 0; b < groups; ++b) {
     V w0[NT], w1[NT];
-    for (int j = 0; j < NT; ++j) {
+    UNROLL for (int j = 0; j < NT; ++j) {
       if (kPrefetch && (b & 1) == 0)
         _mm_prefetch(reinterpret_cast<const char*>(w + j * wstride + b * T::kBytes + kPrefetchBytes),
                      _MM_HINT_T0);
       T::load32(w + j * wstride, b, w0[j], w1[j]);
     }
-    for (int i = 0; i < MT; ++i) {
+    UNROLL for (int i = 0; i < MT; ++i) {
       V x0 = vload(x + i * xs + 32 * b), x1 = vload(x + i * xs + 32 * b + 16);
-      for (int j = 0; j < NT; ++j) {
+      UNROLL for (int j = 0; j < NT; ++j) {
         acc[i][j][0] = vfma(x0, w0[j], acc[i][j][0]);
         acc[i][j][1] = vfma(x1, w1[j], acc[i][j][1]);
       }
     }
   }
-  for (int i = 0; i < MT; ++i)
-    for (int j = 0; j < NT; ++j) y[i * ys + j] = reduce32(acc[i][j][0], acc[i][j][1]);
+  UNROLL for (int i = 0; i < MT; ++i)
+    UNROLL for (int j = 0; j < NT; ++j) y[i * ys + j] = reduce32(acc[i][j][0], acc[i][j][1]);
 }
 
 // M = 1: stream W once, dequantizing in registers.
