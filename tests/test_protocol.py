@@ -241,8 +241,13 @@ BAD_INPUTS = [
     (ChatCompletionRequest, {"messages": []}, "messages: must not be empty"),
     (
         ChatCompletionRequest,
+        {"messages": [{"role": "developer", "content": "x"}]},
+        "messages[0].role: must be 'system', 'user', 'assistant' or 'tool', got 'developer'",
+    ),
+    (
+        ChatCompletionRequest,
         {"messages": [{"role": "tool", "content": "x"}]},
-        "messages[0].role: must be 'system', 'user' or 'assistant', got 'tool'",
+        "messages[0]: tool_call_id: a tool message needs one, and only a tool message",
     ),
     (
         ChatCompletionRequest,
@@ -265,8 +270,14 @@ BAD_INPUTS = [
     ),
     (
         ChatCompletionRequest,
-        {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
-        "messages[0].tool_calls: unknown field",
+        {"messages": [{"role": "user", "content": "x", "tool_calls": [{
+            "id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+        "messages[0]: tool_calls: only an assistant message makes tool calls",
+    ),
+    (
+        ChatCompletionRequest,
+        {"messages": [{"role": "assistant", "tool_calls": [{}]}]},
+        "messages[0].tool_calls[0].id: is required",
     ),
     (
         ChatCompletionRequest,
@@ -285,13 +296,13 @@ BAD_INPUTS = [
     ),
     (
         ChatCompletionRequest,
-        {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-        "tools: is not supported by this server",
+        {**CHAT, "tools": [{"type": "function", "function": {"description": "f"}}]},
+        "tools[0].function.name: is required",
     ),
     (
         ChatCompletionRequest,
-        {**CHAT, "tool_choice": "required"},
-        "tool_choice: must be 'none' or 'auto', got 'required'",
+        {**CHAT, "tool_choice": "sometimes"},
+        "tool_choice: must be 'none', 'auto' or 'required', got 'sometimes'",
     ),
     (
         ChatCompletionRequest,

@@ -4,7 +4,12 @@ OpenAI function-calling flow against a live server."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from typing import Any
 
+import jsonschema_rs
+import openai
+import pydantic
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -13,13 +18,19 @@ from lockstep.entrypoints.chat_templates import (
     ChatTemplateError,
     render_chat,
 )
+from lockstep.entrypoints.errors import format_validation_error
+from lockstep.entrypoints.protocol import ChatCompletionRequest
 from lockstep.entrypoints.tool_calls import (
     ToolCallStream,
+    ToolPlan,
     ToolRequestError,
     finish_reason,
     plan_tools,
     template_message,
 )
+from lockstep.testing.live_server import LiveServer
+from lockstep.testing.tiny_models import make_tiny_model
+from tests.test_http_generate import shared_real_server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -119,66 +130,85 @@ def test_builtins_render_the_same_under_transformers(name: str, tiny_model_dirs:
 # Checking tools and tool_choice (the route turns ToolRequestError into a 400)
 
 
-def _tool(name: str, parameters: dict | None = None) -> dict:
+def _tool(name: str, parameters: Any = None) -> dict:
     function: dict = {"name": name}
     if parameters is not None:
         function["parameters"] = parameters
     return {"type": "function", "function": function}
 
 
+def _plan(tools: Any, choice: Any, parser: str | None, parallel: bool | None = None
+          ) -> ToolPlan | None:
+    """A request's tools checked as the route checks them: shapes by the request model, the
+    rest by plan_tools; either way one message naming the problem."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    body.update({k: v for k, v in (("tools", tools), ("tool_choice", choice),
+                                   ("parallel_tool_calls", parallel)) if v is not None})
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except pydantic.ValidationError as e:
+        raise ToolRequestError(format_validation_error(e)) from None
+    return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, parser)
+
+
 @pytest.mark.parametrize("tools,choice,parser,message", [
     ([{"type": "function", "function": {"description": "x"}}], "auto", "qwen25",
-     r"tools\[0\]\.function\.name is required"),
+     r"tools\[0\]\.function\.name: .*required"),
     ([_tool("f", {"type": "object", "properties": []})], "auto", "qwen25",
      r"tools\[0\]\.function\.parameters is not a JSON schema"),
     ([_tool("f", {"type": "bogus"})], "auto", "qwen25", "not a JSON schema"),
-    ([_tool("f", "a string")], "auto", "qwen25", "parameters must be a JSON schema object"),
+    ([_tool("f", "a string")], "auto", "qwen25", r"tools\[0\]\.function\.parameters"),
     ([_tool("f", {"type": "string"})], "auto", "qwen25", "must describe an object"),
+    ([_tool("bad name!")], "auto", "qwen25", r"tools\[0\]\.function\.name"),
     ([_tool("f"), _tool("f")], "auto", "qwen25", "'f' is given twice"),
-    ([{"type": "retrieval"}], "auto", "qwen25", r"tools\[0\]\.type must be 'function'"),
+    ([{"type": "retrieval"}], "auto", "qwen25", r"tools\[0\]\.type"),
     ([_tool("f")], {"type": "function", "function": {"name": "g"}}, "qwen25",
      r"'g' is not among tools \(f\)"),
     (None, "required", "qwen25", "tool_choice 'required' needs tools"),
     ([], {"type": "function", "function": {"name": "g"}}, "qwen25", "no tools are given"),
     ([_tool("f")], "auto", None, "--tool-call-parser"),
     ([_tool("f")], None, None, "--tool-call-parser"),
-    ([_tool("f")], "sometimes", "qwen25", "tool_choice must be"),
+    ([_tool("f")], "sometimes", "qwen25", "tool_choice"),
 ])
 def test_bad_tool_requests_name_the_problem(tools, choice, parser, message) -> None:
     with pytest.raises(ToolRequestError, match=message):
-        plan_tools(tools, choice, None, parser)
+        _plan(tools, choice, parser)
 
 
 def test_plans() -> None:
-    assert plan_tools([_tool("f")], "none", None, None) is None  # no tools reach the model
-    assert plan_tools(None, "auto", None, None) is None
-    plan = plan_tools([_tool("f", {"type": "object", "properties": {"a": {"type": "integer"}}}),
-                       _tool("g")], "required", False, None)
+    assert _plan([_tool("f")], "none", None) is None  # no tools reach the model
+    assert _plan(None, "auto", None) is None
+    plan = _plan([_tool("f", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+                  _tool("g")], "required", None, parallel=False)
     assert plan is not None and plan.mode == "required" and not plan.parallel
+    assert plan.tools[1] == {"type": "function", "function": {"name": "g"}}
     schema = json.loads(plan.json_schema() or "")
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
     assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [
         {"const": "f"}, {"const": "g"}]
     assert schema["items"]["anyOf"][1]["properties"]["arguments"] == {
-        "type": "object", "properties": {}}
-    named = plan_tools([_tool("f", {"type": "object"})], {"type": "function",
-                                                           "function": {"name": "f"}}, None, None)
+        "type": "object", "properties": {}, "additionalProperties": False}
+    named = _plan([_tool("f", {"type": "object"})],
+                  {"type": "function", "function": {"name": "f"}}, None)
     assert named is not None and json.loads(named.json_schema() or "") == {"type": "object"}
-    auto = plan_tools([_tool("f")], "auto", None, "llama3")
+    auto = _plan([_tool("f")], "auto", "llama3")
     assert auto is not None and auto.json_schema() is None and auto.parser_name == "llama3"
 
 
 def test_stream_deltas_have_openai_shape_and_respect_parallel_false() -> None:
-    plan = plan_tools([_tool("f"), _tool("g")], "auto", False, "qwen25")
+    plan = _plan([_tool("f"), _tool("g")], "auto", "qwen25", parallel=False)
     assert plan is not None
     stream = ToolCallStream(plan)
     content, calls = stream.feed('Hi<tool_call>{"name": "f", "arguments": {"a"')
     assert content == "Hi"
-    assert calls == [{"index": 0, "id": calls[0]["id"], "type": "function",
-                      "function": {"name": "f", "arguments": '{"a"'}}]
+    assert [c.model_dump(exclude_none=True) for c in calls] == [
+        {"index": 0, "id": calls[0].id, "type": "function",
+         "function": {"name": "f", "arguments": '{"a"'}}]
     content, calls = stream.feed(': 1}}</tool_call><tool_call>{"name": "g", "arguments": {}}'
                                  "</tool_call>")
-    assert (content, calls) == ("", [{"index": 0, "function": {"arguments": ": 1}"}}])
+    assert content == ""
+    assert [c.model_dump(exclude_none=True) for c in calls] == [
+        {"index": 0, "function": {"arguments": ": 1}"}}]
     assert stream.finish() == ("", []) and stream.has_calls
     assert finish_reason("stop", True) == "tool_calls"
     assert finish_reason("length", True) == "length"
@@ -186,9 +216,128 @@ def test_stream_deltas_have_openai_shape_and_respect_parallel_false() -> None:
 
 def test_history_arguments_become_objects_for_templates() -> None:
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-    out = template_message(2, {"role": "assistant", "content": None, "tool_calls": [call]})
+    out = template_message(2, {"role": "assistant", "content": "", "tool_calls": [call]})
     assert out["tool_calls"][0]["function"]["arguments"] == {"a": 1}
-    bad = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1"}}
-    with pytest.raises(ToolRequestError,
-                       match=r"messages\[2\]\.tool_calls\[0\]\.function\.arguments must be"):
-        template_message(2, {"role": "assistant", "tool_calls": [bad]})
+    for bad in ("[1", "[1]", '"x"'):
+        call["function"]["arguments"] = bad
+        with pytest.raises(ToolRequestError,
+                           match=r"messages\[2\]\.tool_calls\[0\]\.function\.arguments must"):
+            template_message(2, {"role": "assistant", "tool_calls": [call]})
+
+
+# ---------------------------------------------------------------------------------------------
+# A live server: the official openai client's function-calling flow
+
+WEATHER_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TIME_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["tz"],
+    "properties": {"tz": {"type": "string", "enum": ["UTC", "CET", "PST"]}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
+                                      "parameters": WEATHER_SCHEMA}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time",
+                                      "parameters": TIME_SCHEMA}},
+]
+SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+MODEL = "tiny-qwen"
+ASK = [{"role": "user", "content": "What's the weather in Paris for the next 3 days?"}]
+
+
+def _valid_call(call: Any) -> dict[str, Any]:
+    """The call's arguments, checked against its function's schema."""
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema_rs.validate(SCHEMAS[call.function.name], arguments)
+    return arguments
+
+
+def _streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[dict], str | None]:
+    """A streamed reply put back together: content, calls (id, name, arguments), finish."""
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            assert not (delta.content and delta.tool_calls)
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                if d.id is not None:  # a new call opens with its id, type and name
+                    assert d.index == len(calls) and d.type == "function" and d.function.name
+                    calls.append({"id": d.id, "name": d.function.name, "arguments": ""})
+                else:
+                    assert d.index == len(calls) - 1 and d.function.name is None
+                calls[d.index]["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    # Qwen2 family: its Qwen-style (ChatML) template renders the tools, and qwen25 parses "auto".
+    srv = LiveServer("--model-path", str(make_tiny_model("qwen2")), "--chat-template", "chatml",
+                     "--served-model-name", MODEL, "--max-total-tokens", "8192", log_dir=tmp_path_factory.mktemp("tools"),
+                     startup_timeout=180)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def test_auto_and_none(client: openai.OpenAI) -> None:
+    """Under "auto" the parser reads the reply (a random model writes text); streamed and not
+    agree. "none" keeps the tools out of the prompt."""
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=12,
+                                         temperature=0)
+    choice = out.choices[0]
+    content, calls, finish = _streamed(client, model=MODEL, messages=ASK, tools=TOOLS,
+                                       max_tokens=12, temperature=0)
+    assert (content or None, finish) == (choice.message.content, choice.finish_reason)
+    assert calls == [] and choice.message.tool_calls is None
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
+    none = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                          tool_choice="none", max_tokens=1)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < out.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"tools": [{"type": "function", "function": {"parameters": WEATHER_SCHEMA}}]},
+     "name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+     "parameters is not a JSON schema"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
+     "'get_stock' is not among tools"),
+    ({"tools": None, "tool_choice": "required"}, "'required' needs tools"),
+    ({"tool_choice": "required"}, "not supported yet"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{tz"}}]}]},
+     "arguments must be a JSON object"),
+])
+def test_bad_tool_input_is_400(client: openai.OpenAI, changes: dict, message: str) -> None:
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4, **changes}
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(**{k: v for k, v in body.items() if v is not None})
+    assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).choices
+
+
+# ---------------------------------------------------------------------------------------------
+# The real default model (Gemma 3 270M, whose family has no call format of its own)
+
+
+@pytest.fixture(scope="module")
+def real_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                ) -> openai.OpenAI:
+    server = shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+@pytest.mark.real_model
+def test_auto_without_a_parser_names_the_flag(real_client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
+        real_client.chat.completions.create(model=real_client.models.list().data[0].id, messages=ASK, tools=TOOLS, max_tokens=4)

@@ -42,6 +42,16 @@ from lockstep.entrypoints.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from lockstep.entrypoints.tool_calls import (
+    ToolCallStream,
+    ToolPlan,
+    ToolRequestError,
+    complete_reply,
+    finish_reason,
+    plan_tools,
+    template_message,
+)
+from lockstep.function_call import default_parser_name
 from lockstep.managers.generate_request import GenerateReqInput, SingleGenerateReq
 from lockstep.managers.tokenizer_manager import RequestError, TokenizerManager
 from lockstep.server_args import ServerArgs
@@ -124,19 +134,20 @@ class OpenAIServing:
         if args.model_path:
             names |= {args.model_path, Path(args.model_path).name}
         self.accepted_names = names
-        self.chat_template = self._resolve_chat_template()
-
-    # ---- models and templates ---------------------------------------------------------
-    def _resolve_chat_template(self) -> str | None:
         config: dict[str, Any] = {}
         model_dir = self.info.get("model_dir")
         if model_dir:
             with contextlib.suppress(OSError, ValueError):
                 config = json.loads((Path(model_dir) / "config.json").read_text())
+        model_type = str(config.get("model_type") or "")
+        architectures = list(config.get("architectures") or [])
         own = self.info.get("chat_template") or getattr(self.tm.tokenizer, "chat_template", None)
-        return resolve_chat_template(
-            self.args.chat_template, own if isinstance(own, str) else None,
-            str(config.get("model_type") or ""), list(config.get("architectures") or []))
+        self.chat_template = resolve_chat_template(
+            args.chat_template, own if isinstance(own, str) else None, model_type, architectures)
+        self.tool_call_parser = (args.tool_call_parser
+                                 or default_parser_name(model_type, architectures))
+
+    # ---- models and templates ---------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
@@ -148,16 +159,32 @@ class OpenAIServing:
                          max_model_len=self.tm.context_len)
         return ModelList(data=[card]).model_dump()
 
-    async def render_chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                              self.tool_call_parser)
+        except ToolRequestError as e:
+            raise RequestError(str(e)) from None
+        if plan is not None and plan.json_schema() is not None:
+            # Forcing a call needs grammar-constrained decoding, which has not landed yet.
+            raise RequestError("tool_choice 'required' and named functions are not supported "
+                               "yet (they need constrained decoding); use 'auto'")
+        return plan
+
+    async def render_chat_prompt(self, req: ChatCompletionRequest,
+                                 plan: ToolPlan | None = None) -> list[int]:
         if self.chat_template is None:
             raise RequestError(
                 "this model has no chat template and none is built in for its architecture; "
                 "start the server with --chat-template NAME|FILE or use /v1/completions")
         tok = self.tm.tokenizer
         try:
-            prompt = render_chat(self.chat_template, req.messages_as_dicts(),
-                                 add_generation_prompt=True, bos_token=tok.bos_token or "",
-                                 eos_token=tok.eos_token or "")
+            messages = [template_message(i, m) for i, m in enumerate(req.messages_as_dicts())]
+            prompt = render_chat(self.chat_template, messages, add_generation_prompt=True,
+                                 bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
+                                 tools=list(plan.tools) if plan is not None else None)
+        except ToolRequestError as e:
+            raise RequestError(str(e)) from None
         except ChatTemplateError as e:
             raise RequestError(f"messages: {e}") from e
         return await self.tm.tokenize_text(prompt, add_special_tokens=False)
@@ -244,7 +271,8 @@ class OpenAIServing:
     # ---- /v1/chat/completions ---------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
-        ids = await self.render_chat_prompt(req)
+        plan = self.tool_plan(req)
+        ids = await self.render_chat_prompt(req, plan)
         gen_in = GenerateReqInput(
             input_ids=ids, sampling_params=req.to_sampling_params(), stream=req.stream,
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
@@ -255,7 +283,7 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             fan = await start_stream(self.tm, singles, request)
-            return SSEResponse(self._chat_stream(fan, req, singles, rid, created))
+            return SSEResponse(self._chat_stream(fan, req, singles, rid, created, plan))
         finals = await run_to_completion(self.tm, singles, request)
         choices = []
         for s, item in zip(singles, finals):
@@ -264,17 +292,19 @@ class OpenAIServing:
             if req.logprobs:
                 lp = chat_logprobs(*_LogprobCursor().take(meta, with_prompt=False))
             finish, matched = finish_of(meta)
+            content, calls, finish = complete_reply(plan, item["text"], finish)
             choices.append(ChatCompletionChoice(
-                index=s.index, message=ChatResponseMessage(content=item["text"]), logprobs=lp,
-                finish_reason=finish, matched_stop=matched))
+                index=s.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=lp, finish_reason=finish, matched_stop=matched))
         resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name,
                                       choices=choices, usage=usage_of(singles, finals))
         return json_response(resp.model_dump())
 
     async def _chat_stream(self, fan: Fanout, req: ChatCompletionRequest,
-                           singles: list[SingleGenerateReq], rid: str, created: int
-                           ) -> AsyncIterator[bytes]:
+                           singles: list[SingleGenerateReq], rid: str, created: int,
+                           plan: ToolPlan | None) -> AsyncIterator[bytes]:
         cursors = [_LogprobCursor() for _ in singles]
+        tools = [ToolCallStream(plan) if plan is not None else None for _ in singles]
         started = [False] * len(singles)
         finals: list[dict[str, Any] | None] = [None] * len(singles)
 
@@ -293,11 +323,21 @@ class OpenAIServing:
                 lp = None
                 if req.logprobs:
                     lp = chat_logprobs(*cursors[index].take(meta, with_prompt=False))
-                text = item["text_delta"]
+                text, calls = item["text_delta"], []
+                finish, matched = finish_of(meta)
+                stream = tools[index]
+                if stream is not None:  # the parser holds back what may be call markup
+                    text, calls = stream.feed(text)
+                    if finish is not None:
+                        more_text, more_calls = stream.finish()
+                        text, calls = text + more_text, calls + more_calls
+                        finish = finish_reason(finish, stream.has_calls)
                 if text or (lp and lp.content):
                     yield chunk(ChatCompletionStreamChoice(
                         index=s.index, delta=DeltaMessage(content=text), logprobs=lp))
-                finish, matched = finish_of(meta)
+                if calls:
+                    yield chunk(ChatCompletionStreamChoice(
+                        index=s.index, delta=DeltaMessage(tool_calls=calls)))
                 if finish is not None:
                     yield chunk(ChatCompletionStreamChoice(
                         index=s.index, delta=DeltaMessage(), finish_reason=finish,
@@ -321,6 +361,12 @@ def _without_null_usage(chunk: Any) -> dict[str, Any]:
         delta = choice.get("delta")
         if delta is not None:
             choice["delta"] = {k: v for k, v in delta.items() if v is not None}
+            for call in choice["delta"].get("tool_calls") or []:  # later deltas: no id or name
+                for key in ("id", "type"):
+                    if call[key] is None:
+                        del call[key]
+                if call["function"]["name"] is None:
+                    del call["function"]["name"]
     return data
 
 

@@ -157,15 +157,66 @@ ContentInput = shaped(
 )
 
 
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+    description: str | None = None
+    # A JSON Schema for the arguments object (checked as one in lockstep.entrypoints.tool_calls).
+    parameters: dict[str, Any] | None = None
+    # Strict schemas are not enforced under "auto"; "required" or a named function forces them.
+    strict: Literal[False] | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _choice_shape(v: Any) -> str | None:
+    return "str" if isinstance(v, str) else "dict" if isinstance(v, dict) else None
+
+
+ToolChoice = shaped(
+    {"str": Literal["none", "auto", "required"], "dict": NamedToolChoice},
+    _choice_shape,
+    '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+)
+
+
+class CalledFunction(StrictModel):
+    name: NonEmptyStr
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class MessageToolCall(StrictModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: ContentInput | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for a {self.role} message")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes tool calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool message needs one, and only a tool message")
         return self
 
     def text(self) -> str:
@@ -185,9 +236,10 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: TextResponseFormat | None = None
-    tools: Unsupported[list[dict[str, Any]]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None  # the only choices without tools
-    parallel_tool_calls: bool | None = None  # meaningless without tools
+    # Checked together, against the server's tool-call parser, in lockstep.entrypoints.tool_calls.
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -207,12 +259,17 @@ class ChatCompletionRequest(_OpenAIRequest):
         )
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
-        """Messages for a chat template: content flattened to text, name kept when given."""
+        """Messages for a chat template: content flattened to text, the other fields kept when
+        given."""
         out = []
         for m in self.messages:
             d: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls is not None:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
 
@@ -220,7 +277,7 @@ class ChatCompletionRequest(_OpenAIRequest):
 # ---------------------------------------------------------------------------------------------
 # OpenAI responses
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 def _now() -> int:
@@ -286,9 +343,21 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -308,9 +377,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # on a call's first delta only
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None  # id and type come with the call's first delta
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -11,21 +11,27 @@ alone. "none" keeps the tools out of the prompt altogether.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import jsonschema_rs
 
+from lockstep.entrypoints.protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+)
 from lockstep.function_call import TOOL_CALL_PARSERS, ToolCallParser, make_parser
-from lockstep.function_call.core import ParseResult, StreamDelta
+from lockstep.function_call.core import StreamDelta
 from lockstep.function_call.forced import CallArrayParser, NamedArgumentsParser
 
-# OpenAI's rule for function names.
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# A function without parameters takes an empty object (the grammar allows no keys at all).
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                     "additionalProperties": False}
 
 
 class ToolRequestError(ValueError):
@@ -68,19 +74,23 @@ class ToolPlan:
         return make_parser(self.parser_name or "", self.names)
 
 
-def plan_tools(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-               parser_name: str | None) -> ToolPlan | None:
-    """Checks a request's tool fields; None when no tools reach the model. ToolRequestError
-    names what is wrong."""
-    checked = [_check_tool(i, t) for i, t in enumerate(tools or [])]
+def plan_tools(tools: Sequence[Tool] | None, tool_choice: str | NamedToolChoice | None,
+               parallel_tool_calls: bool | None, parser_name: str | None) -> ToolPlan | None:
+    """Checks a request's tools and tool_choice together (their shapes are already checked);
+    None when no tools reach the model. ToolRequestError names what is wrong."""
     parameters: dict[str, dict[str, Any]] = {}
-    for tool in checked:
-        name = tool["function"]["name"]
-        if name in parameters:
-            raise ToolRequestError(f"tools: the function name {name!r} is given twice")
-        parameters[name] = tool["function"].get("parameters") or _EMPTY_PARAMETERS
-    mode, forced = _check_choice(tool_choice, bool(checked))
-    if mode == "none" or not checked:
+    rendered = []
+    for i, tool in enumerate(tools or []):
+        f = tool.function
+        if f.name in parameters:
+            raise ToolRequestError(f"tools: the function name {f.name!r} is given twice")
+        if f.parameters is not None:
+            _check_parameters(f"tools[{i}].function.parameters", f.parameters)
+        parameters[f.name] = f.parameters if f.parameters is not None else _EMPTY_PARAMETERS
+        rendered.append({"type": "function", "function": f.model_dump(
+            exclude_none=True, exclude={"strict"})})
+    mode, forced = _check_choice(tool_choice, bool(parameters))
+    if mode == "none" or not parameters:
         return None
     if mode == "named" and forced not in parameters:
         raise ToolRequestError(
@@ -91,79 +101,34 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_call
             "one: start the server with --tool-call-parser "
             f"({', '.join(sorted(TOOL_CALL_PARSERS))}), or use tool_choice 'required' or a "
             "named function, which need none")
-    return ToolPlan(mode=mode, tools=tuple(checked), parameters=parameters,
+    return ToolPlan(mode=mode, tools=tuple(rendered), parameters=parameters,
                     parallel=parallel_tool_calls is not False, forced_name=forced,
                     parser_name=parser_name if mode == "auto" else None)
 
 
-def _check_tool(i: int, tool: Any) -> dict[str, Any]:
-    where = f"tools[{i}]"
-    if not isinstance(tool, Mapping):
-        raise ToolRequestError(f"{where} must be an object")
-    if tool.get("type") != "function":
-        raise ToolRequestError(f"{where}.type must be 'function'")
-    if set(tool) - {"type", "function"}:
-        raise ToolRequestError(f"{where}: unknown fields {sorted(set(tool) - {'type', 'function'})}")
-    function = tool.get("function")
-    if not isinstance(function, Mapping):
-        raise ToolRequestError(f"{where}.function must be an object")
-    unknown = set(function) - _FUNCTION_KEYS
-    if unknown:
-        raise ToolRequestError(f"{where}.function: unknown fields {sorted(unknown)}")
-    name = function.get("name")
-    if not isinstance(name, str) or not name:
-        raise ToolRequestError(f"{where}.function.name is required")
-    if not _NAME.fullmatch(name):
-        raise ToolRequestError(
-            f"{where}.function.name {name!r} must be 1-64 letters, digits, '_' or '-'")
-    if not isinstance(function.get("description", ""), str):
-        raise ToolRequestError(f"{where}.function.description must be a string")
-    if function.get("strict"):
-        raise ToolRequestError(
-            f"{where}.function.strict is not supported; tool_choice 'required' or a named "
-            "function forces the arguments to match the schema")
-    out: dict[str, Any] = {"name": name}
-    if function.get("description"):
-        out["description"] = function["description"]
-    if function.get("parameters") is not None:
-        out["parameters"] = _check_parameters(where, function["parameters"])
-    return {"type": "function", "function": out}
-
-
-def _check_parameters(where: str, parameters: Any) -> dict[str, Any]:
-    if not isinstance(parameters, Mapping):
-        raise ToolRequestError(f"{where}.function.parameters must be a JSON schema object")
+def _check_parameters(where: str, parameters: dict[str, Any]) -> None:
     try:
-        jsonschema_rs.meta.validate(dict(parameters))
+        jsonschema_rs.meta.validate(parameters)
     except (jsonschema_rs.ValidationError, ValueError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ToolRequestError(f"{where}.function.parameters is not a JSON schema: {first}") from None
+        raise ToolRequestError(f"{where} is not a JSON schema: {first}") from None
     if parameters.get("type", "object") != "object":
-        raise ToolRequestError(f"{where}.function.parameters must describe an object "
-                               f"(type 'object'), not {parameters.get('type')!r}")
-    return dict(parameters)
+        raise ToolRequestError(f"{where} must describe an object (type 'object'), "
+                               f"not {parameters.get('type')!r}")
 
 
-def _check_choice(choice: Any, have_tools: bool
+def _check_choice(choice: str | NamedToolChoice | None, have_tools: bool
                   ) -> tuple[Literal["none", "auto", "required", "named"], str | None]:
     if choice is None:
         return ("auto" if have_tools else "none"), None
-    if choice in ("none", "auto"):
-        return choice, None
-    if choice == "required":
+    if isinstance(choice, NamedToolChoice):
         if not have_tools:
-            raise ToolRequestError("tool_choice 'required' needs tools")
-        return "required", None
-    if isinstance(choice, Mapping) and choice.get("type") == "function":
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else None
-        if not isinstance(name, str) or not name:
-            raise ToolRequestError("tool_choice.function.name is required")
-        if not have_tools:
-            raise ToolRequestError(f"tool_choice names the function {name!r}, but no tools are given")
-        return "named", name
-    raise ToolRequestError("tool_choice must be 'none', 'auto', 'required' or "
-                           '{"type": "function", "function": {"name": ...}}')
+            raise ToolRequestError(
+                f"tool_choice names the function {choice.function.name!r}, but no tools are given")
+        return "named", choice.function.name
+    if choice == "required" and not have_tools:
+        raise ToolRequestError("tool_choice 'required' needs tools")
+    return choice, None  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,45 +137,43 @@ def _check_choice(choice: Any, have_tools: bool
 
 def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     """A message as chat templates expect it: tool-call arguments as objects, not JSON text."""
-    out = dict(message)
     calls = message.get("tool_calls")
-    if calls is None:
-        out.pop("tool_calls", None)
-        return out
-    if message.get("role") != "assistant":
-        raise ToolRequestError(f"messages[{i}].tool_calls: only assistant messages make calls")
+    if not calls:
+        return dict(message)
     converted = []
     for j, call in enumerate(calls):
-        where = f"messages[{i}].tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise ToolRequestError(f"{where}.function.name is required")
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except ValueError:
-                arguments = None
-        if not isinstance(arguments, Mapping):
-            raise ToolRequestError(f"{where}.function.arguments must be a JSON object")
-        converted.append({**call, "function": {**function, "arguments": dict(arguments)}})
-    out["tool_calls"] = converted
-    return out
+        function = call["function"]
+        try:
+            arguments = json.loads(function["arguments"] or "{}")
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ToolRequestError(
+                f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
+        converted.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "tool_calls": converted}
 
 
 # ---------------------------------------------------------------------------------------------
 # Output
 
 
-def openai_tool_calls(result: ParseResult, limit: int | None) -> list[dict[str, Any]]:
-    return [{"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}}
-            for c in result.calls[:limit]]
-
-
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
     """A reply that ends in calls finishes with "tool_calls" (a cut-off one stays "length")."""
     return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+def complete_reply(plan: ToolPlan | None, text: str, reason: str | None
+                   ) -> tuple[str | None, list[ToolCall] | None, str | None]:
+    """A whole reply: its content, its calls (None without any) and its finish reason."""
+    if plan is None:
+        return text, None, reason
+    result = plan.new_parser().parse(text)
+    calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in result.calls[:None if plan.parallel else 1]]
+    if not calls:
+        return text, None, reason
+    return result.content, calls, finish_reason(reason, True)
 
 
 class ToolCallStream:
@@ -221,23 +184,19 @@ class ToolCallStream:
         self.limit = None if plan.parallel else 1
         self.has_calls = False
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         return self._shape(self.parser.feed(text) if text else StreamDelta())
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
         return self._shape(self.parser.finish())
 
-    def _shape(self, delta: StreamDelta) -> tuple[str, list[dict[str, Any]]]:
+    def _shape(self, delta: StreamDelta) -> tuple[str, list[DeltaToolCall]]:
         out = []
         for c in delta.calls:
             if self.limit is not None and c.index >= self.limit:
                 continue  # parallel_tool_calls false: only the first call counts
             self.has_calls = True
-            item: dict[str, Any] = {"index": c.index}
-            if c.id is not None:
-                item.update(id=c.id, type="function",
-                            function={"name": c.name, "arguments": c.arguments})
-            else:
-                item["function"] = {"arguments": c.arguments}
-            out.append(item)
+            out.append(DeltaToolCall(
+                index=c.index, id=c.id, type="function" if c.id is not None else None,
+                function=DeltaFunctionCall(name=c.name, arguments=c.arguments)))
         return delta.content, out
