@@ -264,3 +264,51 @@ def test_automatic_selection_picks_the_best_variant_the_cpu_runs() -> None:
     result, log = run_probe({"LOCKSTEP_KERNEL_ISA": ""})
     assert result == f"RESULT {expect} {expect != 'torch'}"
     assert f"lockstep CPU kernels: {expect} variant" in log or expect == "torch"
+
+
+FAKE_BUILD = """
+import os, sys, time, types
+from lockstep.kernels import build
+calls = os.path.join(os.environ["LOCKSTEP_CACHE_DIR"], "calls")
+
+def fake_compile(variant, name, build_dir):
+    with open(calls, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(float(sys.argv[1]))
+    return types.ModuleType(name)
+
+build._compile = fake_compile
+build._import_built = lambda name, so: types.ModuleType(name)
+build.load_variant("avx2")
+print("loaded")
+"""
+
+
+def test_concurrent_builds_compile_once_and_a_killed_build_does_not_wedge(tmp_path) -> None:
+    """Two processes (TP ranks) starting on an empty cache build once, under a lock the OS releases if
+    the builder dies. The compiler is replaced by a sleep: this tests the locking, not the compiler."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "LOCKSTEP_CACHE_DIR": str(tmp_path)}
+    calls = tmp_path / "calls"
+
+    def start(seconds: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", FAKE_BUILD, str(seconds)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # a builder killed mid-build: the next one takes the lock and builds
+    doomed = start(60)
+    deadline = time.monotonic() + 60
+    while not calls.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    doomed.kill()
+    doomed.wait()
+    calls.unlink()
+    # two at once: one builds, the other waits for it and loads its result
+    procs = [start(1.0), start(1.0)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 and out.strip() == "loaded" for p, (out, _) in zip(procs, outs)), outs
+    assert len(calls.read_text().split()) == 1
