@@ -22,67 +22,10 @@ SERVE_EPILOG = """examples:
   lockstep serve --tp-size 2 --max-total-tokens 65536 --api-key sk-local
   curl http://127.0.0.1:30000/generate -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 16}}'"""
 
-# Option groups for --help, by flag; anything not listed lands in "other options".
-_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("--model-path", "--tokenizer-path", "--served-model-name", "--chat-template",
-              "--tool-call-parser", "--dtype", "--device", "--quantization", "--context-length"),
-    "server": ("--host", "--port", "--api-key", "--log-level", "--incremental-streaming-output",
-               "--graceful-shutdown-timeout", "--max-request-body-bytes", "--max-prompt-tokens",
-               "--max-batch-size"),
-    "memory": ("--max-total-tokens", "--mem-fraction-static", "--max-running-requests",
-               "--max-queued-requests"),
-    "scheduling": ("--schedule-policy", "--chunked-prefill-size", "--enable-mixed-chunk",
-                   "--disable-radix-cache", "--disable-overlap-schedule", "--enable-overlap-schedule",
-                   "--new-token-ratio",
-                   "--random-seed", "--enable-lockstep-check", "--debug-fingerprints",
-                   "--watchdog-timeout"),
-    "parallelism": ("--tp-size", "--pp-size", "--pp-micro-batches", "--dp-size",
-                    "--load-balance-method", "--nnodes", "--node-rank", "--dist-init-addr"),
-}
-
-
-# Help for the options whose ServerArgs field carries none.
-_FALLBACK_HELP = {
-    "--host": "Address to listen on.",
-    "--port": "Port to listen on.",
-    "--log-level": "Log level of every process.",
-    "--max-running-requests": "Most requests decoding at once.",
-    "--schedule-policy": "Order in which waiting requests are admitted (lpm: longest prefix match).",
-    "--disable-radix-cache": "Do not share KV between requests with a common prefix.",
-    "--disable-overlap-schedule": "Plain loop: do not prepare the next batch while the model runs "
-                                  "(overlap is the default on cuda only).",
-    "--random-seed": "Seed of the sampling of requests that give none.",
-    "--tp-size": "Tensor-parallel ranks per replica.",
-    "--pp-size": "Pipeline stages per replica.",
-    "--dp-size": "Data-parallel replicas.",
-    "--load-balance-method": "How the data-parallel controller picks a replica.",
-    "--nnodes": "Number of machines.",
-    "--node-rank": "This machine's rank among --nnodes.",
-}
-
-
-class _GroupedParser:
-    """Looks like a parser to ServerArgs.add_cli_args; files each option under its group."""
-
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.groups = {name: parser.add_argument_group(f"{name} options") for name in _GROUPS}
-        self.other = parser.add_argument_group("other options")
-        self.where = {flag: name for name, flags in _GROUPS.items() for flag in flags}
-
-    def add_argument(self, flag: str, **kwargs: Any) -> Any:
-        group = self.groups.get(self.where.get(flag, ""), self.other)
-        text = kwargs.get("help") or ""
-        if flag in _FALLBACK_HELP and (not text or text.startswith("(default")):
-            kwargs["help"] = text = f"{_FALLBACK_HELP[flag]} {text}".strip()
-        if text.endswith("(default: None)"):  # "None" says nothing: the help text says what
-            kwargs["help"] = text[: -len("(default: None)")].strip()
-        return group.add_argument(flag, **kwargs)
-
-
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     from lockstep.server_args import ServerArgs
 
-    ServerArgs.add_cli_args(_GroupedParser(parser))  # type: ignore[arg-type]
+    ServerArgs.add_cli_args(parser)
 
 
 def server_args_from(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:

@@ -1,4 +1,4 @@
-"""Server arguments: one frozen dataclass that feeds argparse defaults and help.
+"""Server arguments: one frozen dataclass, and the table the command line is built from.
 
 Names follow SGLang's (`--model-path`, `--tp-size`, ...) so SGLang users feel at home.
 """
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,105 +19,114 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cach
 QUANTIZATION_METHODS = ("fp16",)
 
 
+def arg(default: Any, help: str, group: str, *, choices: Sequence[str] | None = None,
+        aliases: dict[str, Any] | None = None) -> Any:
+    """A ServerArgs field and its command-line flag: help text, --help group, choices, and
+    other flags that set it to a fixed value (SGLang's spellings)."""
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices,
+                                            "aliases": aliases or {}})
+
+
 @dataclass(frozen=True)
 class ServerArgs:
-    # Model
-    model_path: str | None = field(
-        default=None, metadata={"help": "GGUF file or HF directory; default: Gemma 3 270M (bundled)."}
-    )
-    tokenizer_path: str | None = field(default=None, metadata={"help": "Defaults to the model's own."})
-    served_model_name: str | None = field(default=None, metadata={"help": "Name in /v1/models."})
-    chat_template: str | None = field(
-        default=None, metadata={"help": "Built-in name (gemma, llama3, chatml) or a Jinja file."}
-    )
-    tool_call_parser: str | None = field(default=None, metadata={
-        "help": "How tool calls are read from the model's replies under tool_choice 'auto' "
-                "(SGLang's names). Default: the model family's format (Qwen2/3: qwen25, "
-                "Llama: llama3); Gemma 3 has none.",
-        "choices": list(TOOL_CALL_PARSERS)})
-    dtype: str = field(
-        default="auto",
-        metadata={"help": "auto: bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32.",
-                  "choices": ["auto", "float32", "bfloat16", "float16"]},
-    )
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda.", "choices": ["cpu", "cuda"]})
-    quantization: str | None = field(default=None, metadata={
-        "help": "Weight-only quantisation of the linears and the LM head. fp16: float16 weights "
-                "(FBGEMM), float32 compute; CPU with --dtype float32 only. About 2x faster "
-                "decode here; greedy agreement with float32 in docs/benchmarks.md.",
-        "choices": list(QUANTIZATION_METHODS)})
-    context_length: int | None = field(default=None, metadata={"help": "Override the model's."})
-    # Server
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = field(default=None, metadata={"help": "Bearer key required on every route but /health."})
-    log_level: str = field(default="info", metadata={"choices": ["debug", "info", "warning", "error"]})
-    incremental_streaming_output: bool = field(
-        default=False, metadata={"help": "Stream only the new text in each /generate event."}
-    )
-    graceful_shutdown_timeout: float = field(
-        default=20.0,
-        metadata={"help": "On SIGTERM: refuse new requests (503) and let running ones finish for up "
-                          "to this many seconds, then abort the rest and exit."})
-    max_request_body_bytes: int = field(
-        default=32 * 1024 * 1024, metadata={"help": "Largest request body accepted; larger get 413."})
-    max_prompt_tokens: int | None = field(
-        default=None, metadata={"help": "Longest prompt accepted, in tokens (default: the context length - 1)."})
-    max_batch_size: int = field(
-        default=1024,
-        metadata={"help": "Most generations one HTTP request may fan out into (prompts x n); more get 400."})
-    # Memory
-    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens."})
-    mem_fraction_static: float = field(
-        default=0.2, metadata={"help": "Share of free memory for the KV pool when --max-total-tokens is unset."}
-    )
-    max_running_requests: int = 64
-    max_queued_requests: int | None = field(
-        default=None,
-        metadata={"help": "Most requests waiting beyond the running ones; past it a 503 with Retry-After."})
-    # Scheduling
-    schedule_policy: str = field(default="fcfs", metadata={"choices": list(SCHEDULE_POLICIES)})
-    chunked_prefill_size: int = field(default=512, metadata={"help": "Max prefill tokens per step; -1 disables chunking."})
-    enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run prefill chunks and decodes in one batch."})
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = field(default=False, metadata={
-        "help": "Run the plain step loop (schedule, run the batch, process its result, in turn) "
-                "where overlap scheduling is the default: --device cuda. The overlap loop runs "
-                "the model on a forward thread while the scheduler processes the previous "
-                "batch's result and prepares the next one (never with --pp-size > 1)."})
-    enable_overlap_schedule: bool = field(default=False, metadata={
-        "help": "Run the overlap loop on --device cpu too, where it is off by default: there the "
-                "scheduler is <1%% of a step, so it gained nothing measurable "
-                "(docs/benchmarks.md)."})
-    new_token_ratio: float = field(default=0.7, metadata={"help": "Initial estimate of max_new_tokens actually used."})
-    random_seed: int = 0
-    enable_lockstep_check: int = field(
-        default=0, metadata={"help": "Every N steps the ranks compare schedule fingerprints (0 = off)."}
-    )
-    debug_fingerprints: bool = field(default=False, metadata={"help": "Record per-step schedule fingerprints."})
-    watchdog_timeout: float = field(
-        default=300.0,
-        metadata={"help": "Seconds a scheduler may hold work without finishing a step before it dumps "
-                          "every thread's stack to the log and brings the server down (0 = off)."})
-    # Parallelism
-    tp_size: int = 1
-    pp_size: int = 1
-    pp_micro_batches: int | None = field(default=None, metadata={
-        "help": "With --pp-size > 1: split each batch by requests into up to this many "
-                "micro-batches that the stages work on at once (1: one batch at a time). "
-                "Default: --pp-size on cuda, 1 on cpu, where splitting measured 6-13%% slower "
-                "(docs/benchmarks.md)."})
-    dp_size: int = 1
-    load_balance_method: str = field(default="round_robin", metadata={"choices": list(LOAD_BALANCE_METHODS)})
-    dp_cache_threshold: float = field(
-        default=0.5, metadata={"help": "cache_aware: prefix match rate above which affinity wins."})
-    dp_balance_abs_threshold: int = field(
-        default=32, metadata={"help": "cache_aware: load gap (requests) past which the least-loaded replica wins."})
-    dp_balance_rel_threshold: float = field(
-        default=1.0001, metadata={"help": "cache_aware: ... and the max/min load ratio past which it wins."})
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = field(default=None, metadata={"help": "HOST:PORT of node 0 for torch.distributed."})
+    """Every server option, and the one table the command line is built from (`add_cli_args`):
+    each field's flag is --its-name, typed by its annotation; booleans get --no-... too."""
+
+    # ---- model
+    model_path: str | None = arg(
+        None, "GGUF file or HF directory; default: Gemma 3 270M (bundled).", "model")
+    tokenizer_path: str | None = arg(None, "Defaults to the model's own.", "model")
+    served_model_name: str | None = arg(None, "Name in /v1/models.", "model")
+    chat_template: str | None = arg(
+        None, "Built-in name (gemma, llama3, chatml) or a Jinja file.", "model")
+    tool_call_parser: str | None = arg(
+        None, "How tool calls are read from the model's replies under tool_choice 'auto' "
+              "(SGLang's names). Default: the model family's format (Qwen2/3: qwen25, "
+              "Llama: llama3); Gemma 3 has none.", "model", choices=list(TOOL_CALL_PARSERS))
+    dtype: str = arg("auto", "auto: bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32.",
+                     "model", choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = arg("cpu", "cpu or cuda.", "model", choices=["cpu", "cuda"])
+    quantization: str | None = arg(
+        None, "Weight-only quantisation of the linears and the LM head. fp16: float16 weights "
+              "(FBGEMM), float32 compute; CPU with --dtype float32 only. About 2x faster "
+              "decode here; greedy agreement with float32 in docs/benchmarks.md.", "model",
+        choices=list(QUANTIZATION_METHODS))
+    context_length: int | None = arg(None, "Override the model's.", "model")
+    # ---- server
+    host: str = arg("127.0.0.1", "Address to listen on.", "server")
+    port: int = arg(30000, "Port to listen on.", "server")
+    api_key: str | None = arg(None, "Bearer key required on every route but /health.", "server")
+    log_level: str = arg("info", "Log level of every process.", "server",
+                         choices=["debug", "info", "warning", "error"])
+    incremental_streaming_output: bool = arg(
+        False, "Stream only the new text in each /generate event.", "server")
+    graceful_shutdown_timeout: float = arg(
+        20.0, "On SIGTERM: refuse new requests (503) and let running ones finish for up to this "
+              "many seconds, then abort the rest and exit.", "server")
+    max_request_body_bytes: int = arg(
+        32 * 1024 * 1024, "Largest request body accepted; larger get 413.", "server")
+    max_prompt_tokens: int | None = arg(
+        None, "Longest prompt accepted, in tokens (default: the context length - 1).", "server")
+    max_batch_size: int = arg(
+        1024, "Most generations one HTTP request may fan out into (prompts x n); more get 400.",
+        "server")
+    # ---- memory
+    max_total_tokens: int | None = arg(None, "KV pool size in tokens.", "memory")
+    mem_fraction_static: float = arg(
+        0.2, "Share of free memory for the KV pool when --max-total-tokens is unset.", "memory")
+    max_running_requests: int = arg(64, "Most requests decoding at once.", "memory")
+    max_queued_requests: int | None = arg(
+        None, "Most requests waiting beyond the running ones; past it a 503 with Retry-After.",
+        "memory")
+    # ---- scheduling
+    schedule_policy: str = arg(
+        "fcfs", "Order in which waiting requests are admitted (lpm: longest prefix match).",
+        "scheduling", choices=list(SCHEDULE_POLICIES))
+    chunked_prefill_size: int = arg(
+        512, "Max prefill tokens per step; -1 disables chunking.", "scheduling")
+    enable_mixed_chunk: bool = arg(
+        False, "Run prefill chunks and decodes in one batch.", "scheduling")
+    disable_radix_cache: bool = arg(
+        False, "Do not share KV between requests with a common prefix.", "scheduling")
+    enable_overlap_schedule: bool | None = arg(
+        None, "Run the model on a forward thread while the scheduler processes the previous "
+              "batch's result and prepares the next one (never with --pp-size > 1). Default: "
+              "on with --device cuda; off on cpu, where the scheduler is <1%% of a step and it "
+              "gained nothing measurable (docs/benchmarks.md).", "scheduling",
+        aliases={"--disable-overlap-schedule": False})
+    new_token_ratio: float = arg(
+        0.7, "Initial estimate of max_new_tokens actually used.", "scheduling")
+    random_seed: int = arg(0, "Seed of the sampling of requests that give none.", "scheduling")
+    enable_lockstep_check: int = arg(
+        0, "Every N steps the ranks compare schedule fingerprints (0 = off).", "scheduling")
+    debug_fingerprints: bool = arg(False, "Record per-step schedule fingerprints.", "scheduling")
+    watchdog_timeout: float = arg(
+        300.0, "Seconds a scheduler may hold work without finishing a step before it dumps "
+               "every thread's stack to the log and brings the server down (0 = off).",
+        "scheduling")
+    # ---- parallelism
+    tp_size: int = arg(1, "Tensor-parallel ranks per replica.", "parallelism")
+    pp_size: int = arg(1, "Pipeline stages per replica.", "parallelism")
+    pp_micro_batches: int | None = arg(
+        None, "With --pp-size > 1: split each batch by requests into up to this many "
+              "micro-batches that the stages work on at once (1: one batch at a time). "
+              "Default: --pp-size on cuda, 1 on cpu, where splitting measured 6-13%% slower "
+              "(docs/benchmarks.md).", "parallelism")
+    dp_size: int = arg(1, "Data-parallel replicas.", "parallelism")
+    load_balance_method: str = arg(
+        "round_robin", "How the data-parallel controller picks a replica.", "parallelism",
+        choices=list(LOAD_BALANCE_METHODS))
+    dp_cache_threshold: float = arg(
+        0.5, "cache_aware: prefix match rate above which affinity wins.", "parallelism")
+    dp_balance_abs_threshold: int = arg(
+        32, "cache_aware: load gap (requests) past which the least-loaded replica wins.",
+        "parallelism")
+    dp_balance_rel_threshold: float = arg(
+        1.0001, "cache_aware: ... and the max/min load ratio past which it wins.", "parallelism")
+    nnodes: int = arg(1, "Number of machines.", "parallelism")
+    node_rank: int = arg(0, "This machine's rank among --nnodes.", "parallelism")
+    dist_init_addr: str | None = arg(
+        None, "HOST:PORT of node 0 for torch.distributed.", "parallelism")
 
     def __post_init__(self) -> None:
         problems = []
@@ -142,8 +153,6 @@ class ServerArgs:
         if self.quantization and (self.device != "cpu" or self.dtype in ("bfloat16", "float16")):
             problems.append("--quantization fp16 runs on --device cpu with float32 activations; "
                             "on a GPU use --dtype float16 or bfloat16 instead")
-        if self.disable_overlap_schedule and self.enable_overlap_schedule:
-            problems.append("--disable-overlap-schedule and --enable-overlap-schedule contradict")
         if not 0 < self.mem_fraction_static < 1:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:
@@ -159,13 +168,13 @@ class ServerArgs:
 
     @property
     def overlap_schedule(self) -> bool:
-        """Whether the schedulers run the overlap loop, resolved from the flags and the device:
+        """Whether the schedulers run the overlap loop, resolved from the flag and the device:
         on for cuda, off for cpu (where it did not pay) unless --enable-overlap-schedule.
         Pipeline stages exchange hidden states and sampled tokens on the forward path, which a
         forward thread would interleave with the scheduler's own collectives: plain loop there."""
-        if self.disable_overlap_schedule or self.pp_size > 1:
+        if self.pp_size > 1 or self.enable_overlap_schedule is False:
             return False
-        return self.device == "cuda" or self.enable_overlap_schedule
+        return self.device == "cuda" or bool(self.enable_overlap_schedule)
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
@@ -176,23 +185,38 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One flag per field, filed under its group in --help."""
+        hints = typing.get_type_hints(ServerArgs)
+        groups: dict[str, Any] = {}
         for f in fields(ServerArgs):
+            meta = f.metadata
+            name = meta["group"]
+            group = groups.get(name) or groups.setdefault(
+                name, parser.add_argument_group(f"{name} options"))
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=help_text)
-                continue
-            # With postponed annotations f.type is a string such as "int | None".
-            base = str(f.type).replace(" | None", "").replace("Optional[", "").rstrip("]")
-            kind = {"int": int, "float": float}.get(base, str)
-            parser.add_argument(
-                flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                help=f"{help_text} (default: {f.default})".strip(),
-            )
+            kind = _flag_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=meta["help"])
+            else:
+                shown = "" if f.default is None else f" (default: {f.default})"
+                group.add_argument(flag, type=kind, default=f.default, choices=meta["choices"],
+                                   help=meta["help"] + shown)
+            for alias, value in meta["aliases"].items():
+                same = flag if value is True else f"--no-{flag[2:]}" if value is False else (
+                    f"{flag} {value}")
+                group.add_argument(alias, dest=f.name, action="store_const", const=value,
+                                   help=f"Same as {same} (SGLang's name).")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _flag_type(hint: Any) -> Any:
+    """The value type of a field's flag: `int | None` -> int."""
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
+    return kinds[0]
 
 
 @dataclass(frozen=True)

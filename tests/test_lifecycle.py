@@ -15,6 +15,7 @@ import psutil
 import pytest
 import requests
 
+from lockstep.testing.faults import perturb_env
 from lockstep.testing.live_server import LiveServer
 from lockstep.utils.process import free_port
 
@@ -154,7 +155,8 @@ def test_lockstep_check_passes_under_concurrent_load(model_dir, tmp_path):
 
 
 def test_lockstep_check_catches_a_perturbed_rank(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCKSTEP_FAULT_PERTURB_RANK", "1")
+    for name, value in perturb_env(tmp_path, "scheduler-DP0-TP1-PP0").items():
+        monkeypatch.setenv(name, value)
     server = LiveServer("--model-path", model_dir, "--tp-size", "2", "--enable-lockstep-check", "1",
                         log_dir=tmp_path)
     try:

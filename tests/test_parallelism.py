@@ -13,6 +13,7 @@ from lockstep.entrypoints.engine import launch_subprocesses
 from lockstep.managers.data_parallel_controller import Dispatcher
 from lockstep.managers.generate_request import GenerateReqInput
 from lockstep.managers.io_struct import LoadReport, SamplingParams, TokenizedGenerateReq
+from lockstep.managers.tokenizer_manager import GenerateOutput
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
 from tests.conftest import tiny_prompts
@@ -49,13 +50,13 @@ def test_parallel_layouts_match_a_single_rank(arch, tp, pp, dp, children, tiny_m
         launched.shutdown()
 
 
-async def _send(tm, ids: list[int], max_new: int) -> dict:
+async def _send(tm, ids: list[int], max_new: int) -> GenerateOutput:
     req = GenerateReqInput(input_ids=ids, sampling_params={
         "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
-    last: dict = {}
+    last = None
     async for out in tm.generate(req):
         last = out
-    return last["meta_info"]
+    return last
 
 
 def test_dispatch_methods_with_live_replicas(tiny_model_dirs):
@@ -68,7 +69,7 @@ def test_dispatch_methods_with_live_replicas(tiny_model_dirs):
         async def rr():
             return await asyncio.gather(*(_send(launched.tokenizer_manager, prompt(8), 4) for _ in range(10)))
         metas = asyncio.run(rr())
-        assert Counter(m["dp_rank"] for m in metas) == {0: 5, 1: 5}
+        assert Counter(m.dp_rank for m in metas) == {0: 5, 1: 5}
     finally:
         launched.shutdown()
 
@@ -79,14 +80,14 @@ def test_dispatch_methods_with_live_replicas(tiny_model_dirs):
             req = GenerateReqInput(input_ids=prompt(8), sampling_params={
                 "max_new_tokens": 3000, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
             stream = tm.generate(req)
-            long = (await stream.__anext__())["meta_info"]  # it is decoding on its replica
+            long = await stream.__anext__()  # it is decoding on its replica
             await asyncio.sleep(0.5)  # ... which has reported the load by now
             first = await _send(tm, prompt(8), 2)
             second = await _send(tm, prompt(8), 2)
             await stream.aclose()  # aborts the long request
             return long, first, second
         long, first, second = asyncio.run(sq())
-        assert first["dp_rank"] != long["dp_rank"] and second["dp_rank"] != long["dp_rank"]
+        assert first.dp_rank != long.dp_rank and second.dp_rank != long.dp_rank
     finally:
         launched.shutdown()
 
@@ -101,9 +102,9 @@ def test_dispatch_methods_with_live_replicas(tiny_model_dirs):
                                               for _ in range(4)))
             return out
         metas = asyncio.run(ca())
-        counts = Counter(m["dp_rank"] for m in metas)
+        counts = Counter(m.dp_rank for m in metas)
         assert max(counts.values()) >= 18, counts
-        assert sum(m["cached_tokens"] for m in metas) > 0
+        assert sum(m.cached_tokens for m in metas) > 0
     finally:
         launched.shutdown()
 

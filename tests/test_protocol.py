@@ -6,28 +6,30 @@ import pydantic
 import pytest
 
 from lockstep.entrypoints.errors import format_validation_error
+from lockstep.entrypoints.openai_api import (
+    _without_null_usage,
+    chat_logprobs,
+    completion_logprobs,
+    finish_of,
+    usage_of,
+)
 from lockstep.entrypoints.protocol import (
-    ChatChoiceLogprobs,
-    ChatCompletionChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatResponseMessage,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    CompletionResponse,
-    CompletionStreamResponse,
     DeltaMessage,
-    ModelCard,
-    ModelList,
-    TopLogprob,
-    UsageInfo,
 )
 from lockstep.managers.generate_request import GenerateReqInput, SamplingParamsModel
-from lockstep.utils.http import ErrorResponse, error_body
+from lockstep.managers.io_struct import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_MATCHED_STR,
+    FINISH_MATCHED_TOKEN,
+    TokenLogprob,
+)
+from lockstep.managers.tokenizer_manager import GenerateOutput
+from lockstep.utils.http import ErrorResponse, dumps, error_body
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"prompt": "hi"}
@@ -333,10 +335,6 @@ def test_bad_input_is_rejected_with_a_message_naming_the_field(model, payload, e
     assert "Value error," not in message and "[type=" not in message
 
 
-def test_enough_bad_inputs():
-    assert len(BAD_INPUTS) >= 30
-
-
 def test_json_nan_is_rejected_too():
     with pytest.raises(pydantic.ValidationError) as info:
         GenerateReqInput.model_validate_json('{"text": "a", "sampling_params": {"top_p": NaN}}')
@@ -496,75 +494,52 @@ def test_chat_defaults_and_sampling_params():
     )
 
 
-def test_response_shapes():
-    usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5)
-    completion = CompletionResponse(
-        id="cmpl-1",
-        model="m",
-        choices=[
-            CompletionChoice(
-                index=0,
-                text=" hi",
-                finish_reason="length",
-                logprobs=CompletionLogprobs(
-                    tokens=[" hi"],
-                    token_logprobs=[-0.5],
-                    top_logprobs=[{" hi": -0.5}],
-                    text_offset=[0],
-                ),
-            )
-        ],
-        usage=usage,
-    ).model_dump()
-    assert completion["object"] == "text_completion" and isinstance(completion["created"], int)
-    assert set(completion["choices"][0]["logprobs"]) == {
-        "tokens",
-        "token_logprobs",
-        "top_logprobs",
-        "text_offset",
-    }
-    assert completion["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+def _output(rid: str, prompt: int, completion: int, **kw) -> GenerateOutput:
+    return GenerateOutput(rid, "", [], "", [], prompt, completion, 0, kw.pop("finish", None),
+                          0.0, **kw)
 
-    token = ChatTokenLogprob(
-        token="hi",
-        logprob=-0.1,
-        bytes=[104, 105],
-        top_logprobs=[TopLogprob(token="hi", logprob=-0.1, bytes=[104, 105])],
-    )
-    chat = ChatCompletionResponse(
-        id="chatcmpl-1",
-        model="m",
-        choices=[
-            ChatCompletionChoice(
-                index=0,
-                message=ChatResponseMessage(content="hi"),
-                logprobs=ChatChoiceLogprobs(content=[token]),
-                finish_reason="stop",
-            )
-        ],
-        usage=usage,
-    ).model_dump()
-    assert (
-        chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
-    )
-    entry = chat["choices"][0]["logprobs"]["content"][0]
-    assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
-    assert set(entry["top_logprobs"][0]) == {"token", "logprob", "bytes"}
 
+def test_openai_output_path_shapes():
+    """The functions that turn generate outputs into OpenAI's shapes, on hand-made outputs."""
+    hi, there = TokenLogprob(-0.5, 7, " hi"), TokenLogprob(-1.0, 8, " thé")
+    lp = completion_logprobs([hi, there], [[hi], [there, hi]], top_n=2, offset=3)
+    assert lp.tokens == [" hi", " thé"] and lp.token_logprobs == [-0.5, -1.0]
+    assert lp.text_offset == [3, 6]  # characters, from the offset the stream has reached
+    assert lp.top_logprobs == [{" hi": -0.5}, {" thé": -1.0, " hi": -0.5}]
+    assert completion_logprobs([hi], [[hi]], top_n=0).top_logprobs == [None]
+
+    chat = chat_logprobs([there], [[there]]).model_dump()["content"][0]
+    assert chat["bytes"] == list(" thé".encode()) and chat["top_logprobs"][0]["token"] == " thé"
+
+    # Prompt tokens once per prompt (not per sample), completion tokens of every sample.
+    singles = GenerateReqInput(text=["a", "b"], sampling_params={"n": 2}).normalize()
+    finals = [_output(s.rid, 5 + s.prompt_index, 3) for s in singles]
+    assert usage_of(singles, finals).model_dump() == {
+        "prompt_tokens": 11, "completion_tokens": 12, "total_tokens": 23}
+
+    assert finish_of(_output("r", 1, 1)) == (None, None)
+    assert finish_of(_output("r", 1, 1, finish=FINISH_MATCHED_STR("\n"))) == ("stop", "\n")
+    assert finish_of(_output("r", 1, 1, finish=FINISH_MATCHED_TOKEN(2))) == ("stop", 2)
+    assert finish_of(_output("r", 1, 1, finish=FINISH_LENGTH(4))) == ("length", None)
+
+    # A stream chunk: no usage key until the usage chunk, a delta holds only what it sets.
     chunk = ChatCompletionStreamResponse(
-        id="c",
-        model="m",
-        choices=[ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant"))],
-    ).model_dump(exclude_none=True)
-    assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {
-        "role": "assistant"
-    }
-    stream = CompletionStreamResponse(id="c", model="m", choices=[], usage=usage).model_dump()
-    assert stream["object"] == "text_completion" and stream["usage"]["total_tokens"] == 5
+        id="c", model="m",
+        choices=[ChatCompletionStreamChoice(index=0, delta=DeltaMessage(role="assistant"))])
+    data = _without_null_usage(chunk)
+    assert "usage" not in data and data["choices"][0]["delta"] == {"role": "assistant"}
+    assert data["object"] == "chat.completion.chunk"
 
-    models = ModelList(data=[ModelCard(id="gemma", root="/path")]).model_dump()
-    assert models["object"] == "list" and models["data"][0]["object"] == "model"
-    assert models["data"][0]["owned_by"] == "lockstep"
+
+def test_meta_info_is_sglangs_shape():
+    out = _output("r1", 3, 2, finish=FINISH_ABORT("bad", 400), dp_rank=1,
+                  output_token_logprobs=[TokenLogprob(-0.1, 5, "x")], input_token_logprobs=[])
+    meta = out.meta_info()
+    assert meta["finish_reason"] == {"type": "abort", "message": "bad", "status_code": 400}
+    assert meta["dp_rank"] == 1 and "output_top_logprobs" not in meta
+    assert json.loads(dumps(meta))["output_token_logprobs"] == [[-0.1, 5, "x"]]
+    assert _output("r", 1, 1).meta_info()["finish_reason"] is None
+    assert "dp_rank" not in _output("r", 1, 1).meta_info()
 
 
 def test_error_body_has_openai_shape():

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lockstep.managers.io_struct import AbortReq
+from lockstep.managers.io_struct import FINISH_LENGTH, FINISH_MATCHED_TOKEN, AbortReq
 from lockstep.managers.schedule_batch import Req
 from lockstep.managers.schedule_policy import order_waiting
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
@@ -40,7 +40,7 @@ def test_retraction_under_kv_pressure_keeps_outputs(model_dir):
                            new_token_ratio=0.05)
     tight = run_to_completion(sched, reqs)
     assert sched.stats.retractions > 0, "the pool was meant to be too small to avoid retraction"
-    assert all(r.finish_reason["type"] == "length" for r in tight.values())
+    assert all(r.finish_reason.type == "length" for r in tight.values())
     assert _outputs(tight) == _outputs(free)
 
 
@@ -142,9 +142,9 @@ def test_requests_that_can_never_fit_are_rejected_not_admitted(model_dir):
     res = run_to_completion(sched, [greedy_req("big", list(range(10, 250)), 100),
                                     greedy_req("bad", [999999], 4),
                                     greedy_req("ok", [10, 11, 12], 3)])
-    assert res["big"].finish_reason["type"] == "abort" and "context length" in res["big"].finish_reason["message"]
-    assert res["bad"].finish_reason["type"] == "abort"
-    assert res["ok"].finish_reason == {"type": "length", "length": 3}
+    assert res["big"].finish_reason.type == "abort" and "context length" in res["big"].finish_reason.message
+    assert res["bad"].finish_reason.type == "abort"
+    assert res["ok"].finish_reason == FINISH_LENGTH(3)
 
 
 def test_finish_conditions(model_dir):
@@ -158,6 +158,6 @@ def test_finish_conditions(model_dir):
     ])
     first = probe.index(stop_tok)
     assert res["stop"].output_ids == probe[: first + 1]
-    assert res["stop"].finish_reason == {"type": "stop", "matched": stop_tok}
+    assert res["stop"].finish_reason == FINISH_MATCHED_TOKEN(stop_tok)
     assert len(res["min"].output_ids) >= 3
-    assert res["zero"].output_ids == [] and res["zero"].finish_reason["type"] == "length"
+    assert res["zero"].output_ids == [] and res["zero"].finish_reason.type == "length"

@@ -94,7 +94,7 @@ class LockstepBench:
             random_seed=seed,
             # One step = one forward here: the overlap loop would report a step's result a step
             # later, and what this measures is the forward itself.
-            disable_overlap_schedule=True,
+            enable_overlap_schedule=False,
             quantization=quantization,
         )
         self.sched = create_scheduler(args)

@@ -11,21 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 
 from lockstep.entrypoints.errors import ClientGone
 from lockstep.managers.generate_request import GenerateReqInput, SingleGenerateReq
-from lockstep.managers.tokenizer_manager import RequestError, TokenizerManager
+from lockstep.managers.io_struct import FINISH_ABORT
+from lockstep.managers.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.utils.asgi import wait_disconnect
 
 
-def abort_error(item: dict[str, Any]) -> RequestError | None:
+def abort_error(item: GenerateOutput) -> RequestError | None:
     """The scheduler refuses a request it can never serve with an abort carrying a status code."""
-    reason = item["meta_info"].get("finish_reason") or {}
-    if reason.get("type") == "abort" and reason.get("status_code"):
-        return RequestError(reason.get("message") or "request aborted", int(reason["status_code"]))
+    reason = item.finish_reason
+    if isinstance(reason, FINISH_ABORT) and reason.status_code:
+        return RequestError(reason.message, reason.status_code)
     return None
 
 
@@ -42,7 +42,7 @@ class Fanout:
         self.singles = singles
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
-        self.buffer: list[tuple[int, dict[str, Any]]] = []
+        self.buffer: list[tuple[int, GenerateOutput]] = []
         self.open = len(singles)
         self.watcher: asyncio.Future | None = None
 
@@ -85,7 +85,7 @@ class Fanout:
             self.watcher.cancel()
             self.watcher = None
 
-    async def _get(self) -> tuple[int, dict[str, Any] | None, BaseException | None]:
+    async def _get(self) -> tuple[int, GenerateOutput | None, BaseException | None]:
         if self.watcher is None:
             return await self.queue.get()
         getter = asyncio.ensure_future(self.queue.get())
@@ -98,7 +98,7 @@ class Fanout:
             return getter.result()
         raise ClientGone()
 
-    async def items(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    async def items(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
         buffered, self.buffer = self.buffer, []
         for entry in buffered:
             yield entry
@@ -111,9 +111,9 @@ class Fanout:
                 continue
             yield index, item
 
-    async def collect(self) -> list[dict[str, Any]]:
+    async def collect(self) -> list[GenerateOutput]:
         """The last output of every request, by index (non-streaming)."""
-        finals: list[dict[str, Any] | None] = [None] * len(self.singles)
+        finals: list[GenerateOutput | None] = [None] * len(self.singles)
         async for index, item in self.items():
             finals[index] = item
         missing = [i for i, f in enumerate(finals) if f is None]
@@ -141,7 +141,7 @@ def check_fanout(gen_in: GenerateReqInput, limit: int) -> None:
 
 
 async def run_to_completion(tm: TokenizerManager, singles: list[SingleGenerateReq],
-                            request: Request | None) -> list[dict[str, Any]]:
+                            request: Request | None) -> list[GenerateOutput]:
     """Non-streaming: every request's final output; a refused request raises RequestError, a
     disconnected client raises ClientGone (its requests are aborted)."""
     fan = Fanout(tm, singles)

@@ -38,7 +38,7 @@ from lockstep.entrypoints.protocol import (
 )
 from lockstep.managers.generate_request import GenerateReqInput
 from lockstep.managers.metrics import CONTENT_TYPE, Metrics
-from lockstep.managers.tokenizer_manager import RequestError, TokenizerManager
+from lockstep.managers.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, ErrorResponse, error_response, json_response, sse
@@ -78,17 +78,16 @@ class NativeServing:
         return json_response(outs if many else outs[0])
 
     @staticmethod
-    def _shape(item: dict[str, Any]) -> dict[str, Any]:
-        return {"text": item["text"], "output_ids": item["output_ids"],
-                "meta_info": item["meta_info"]}
+    def _shape(item: GenerateOutput) -> dict[str, Any]:
+        return {"text": item.text, "output_ids": item.output_ids, "meta_info": item.meta_info()}
 
     async def _stream(self, fan: Any, count: int, many: bool) -> AsyncIterator[bytes]:
         sent = [dict(out=0, out_top=0, prompt=False) for _ in range(count)]
         try:
             async for index, item in fan.items():
                 if self.incremental:
-                    out = {"text": item["text_delta"], "output_ids": item["new_token_ids"],
-                           "meta_info": _meta_delta(item["meta_info"], sent[index])}
+                    out = {"text": item.text_delta, "output_ids": item.new_token_ids,
+                           "meta_info": _meta_delta(item.meta_info(), sent[index])}
                 else:
                     out = self._shape(item)
                 if many:

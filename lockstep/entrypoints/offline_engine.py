@@ -30,8 +30,8 @@ from lockstep.entrypoints.engine import launch_subprocesses
 from lockstep.entrypoints.errors import format_validation_error
 from lockstep.entrypoints.fanout import Fanout, run_to_completion, start_stream
 from lockstep.managers.generate_request import GenerateReqInput
-from lockstep.managers.io_struct import ReqOutput
-from lockstep.managers.tokenizer_manager import RequestError
+from lockstep.managers.io_struct import FINISH_ABORT, ReqOutput
+from lockstep.managers.tokenizer_manager import GenerateOutput, RequestError
 from lockstep.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class Engine:
         def fail_pending() -> None:
             for state in list(tm.states.values()):
                 state.queue.put_nowait(ReqOutput(
-                    state.rid, [], {"type": "abort", "message": f"engine died: {message}"},
+                    state.rid, [], FINISH_ABORT(f"engine died: {message}"),
                     len(state.prompt_ids), len(state.output_ids), 0))
 
         if not self._loop.is_closed():
@@ -125,9 +125,9 @@ class Engine:
         incremental = self.server_args.incremental_streaming_output
         try:
             async for index, item in fan.items():
-                chunk = {"text": item["text_delta"] if incremental else item["text"],
-                         "output_ids": item["new_token_ids"] if incremental else item["output_ids"],
-                         "meta_info": item["meta_info"]}
+                chunk = {"text": item.text_delta if incremental else item.text,
+                         "output_ids": item.new_token_ids if incremental else item.output_ids,
+                         "meta_info": item.meta_info()}
                 if many:
                     chunk["index"] = index
                 yield chunk
@@ -135,8 +135,8 @@ class Engine:
             fan.close()
 
     @staticmethod
-    def _shape(finals: list[dict[str, Any]], many: bool) -> Any:
-        outs = [{"text": f["text"], "output_ids": f["output_ids"], "meta_info": f["meta_info"]}
+    def _shape(finals: list[GenerateOutput], many: bool) -> Any:
+        outs = [{"text": f.text, "output_ids": f.output_ids, "meta_info": f.meta_info()}
                 for f in finals]
         return outs if many else outs[0]
 

@@ -53,7 +53,8 @@ from lockstep.entrypoints.tool_calls import (
 )
 from lockstep.function_call import default_parser_name
 from lockstep.managers.generate_request import GenerateReqInput, SingleGenerateReq
-from lockstep.managers.tokenizer_manager import RequestError, TokenizerManager
+from lockstep.managers.io_struct import TokenLogprob
+from lockstep.managers.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, json_response, sse
@@ -63,18 +64,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-def finish_of(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
-    reason = meta.get("finish_reason")
-    if not reason:
-        return None, None
-    return _FINISH.get(reason.get("type"), "stop"), reason.get("matched")
+def finish_of(item: GenerateOutput) -> tuple[str | None, int | str | None]:
+    """OpenAI's finish_reason and SGLang's matched_stop."""
+    reason = item.finish_reason
+    return (reason.type, reason.matched) if reason is not None else (None, None)
 
 
 def _token_bytes(text: str | None) -> list[int]:
     return list((text or "").encode("utf-8", errors="replace"))
+
+
+Entries = list[TokenLogprob]
+Tops = list[list[TokenLogprob] | None]
 
 
 class _LogprobCursor:
@@ -84,43 +85,43 @@ class _LogprobCursor:
         self.prompt_sent = False
         self.out_sent = 0
 
-    def take(self, meta: dict[str, Any], with_prompt: bool) -> tuple[list, list]:
-        entries: list = []
-        tops: list = []
+    def take(self, item: GenerateOutput, with_prompt: bool) -> tuple[Entries, Tops]:
+        entries: Entries = []
+        tops: Tops = []
         if with_prompt and not self.prompt_sent:
-            ins = meta.get("input_token_logprobs") or []
+            ins = item.input_token_logprobs or []
             entries += ins
-            tops += meta.get("input_top_logprobs") or [None] * len(ins)
+            tops += item.input_top_logprobs or [None] * len(ins)
         self.prompt_sent = True
-        outs = meta.get("output_token_logprobs") or []
-        out_tops = meta.get("output_top_logprobs") or [None] * len(outs)
+        outs = item.output_token_logprobs or []
+        out_tops = item.output_top_logprobs or [None] * len(outs)
         entries += outs[self.out_sent:]
         tops += out_tops[self.out_sent:]
         self.out_sent = len(outs)
         return entries, tops
 
 
-def completion_logprobs(entries: list, tops: list, top_n: int, offset: int = 0
+def completion_logprobs(entries: Entries, tops: Tops, top_n: int, offset: int = 0
                         ) -> CompletionLogprobs:
     lp = CompletionLogprobs()
-    for (logprob, _tid, text), top in zip(entries, tops):
-        text = text or ""
+    for entry, top in zip(entries, tops):
+        text = entry.text or ""
         lp.tokens.append(text)
-        lp.token_logprobs.append(logprob)
+        lp.token_logprobs.append(entry.logprob)
         lp.top_logprobs.append(
-            {t_text or "": t_lp for t_lp, _t_id, t_text in top} if top_n and top else None)
+            {t.text or "": t.logprob for t in top} if top_n and top else None)
         lp.text_offset.append(offset)
         offset += len(text)
     return lp
 
 
-def chat_logprobs(entries: list, tops: list) -> ChatChoiceLogprobs:
+def chat_logprobs(entries: Entries, tops: Tops) -> ChatChoiceLogprobs:
     content = []
-    for (logprob, _tid, text), top in zip(entries, tops):
+    for entry, top in zip(entries, tops):
         content.append(ChatTokenLogprob(
-            token=text or "", logprob=logprob, bytes=_token_bytes(text),
-            top_logprobs=[TopLogprob(token=t or "", logprob=t_lp, bytes=_token_bytes(t))
-                          for t_lp, _t_id, t in (top or [])]))
+            token=entry.text or "", logprob=entry.logprob, bytes=_token_bytes(entry.text),
+            top_logprobs=[TopLogprob(token=t.text or "", logprob=t.logprob,
+                                     bytes=_token_bytes(t.text)) for t in (top or [])]))
     return ChatChoiceLogprobs(content=content)
 
 
@@ -212,14 +213,13 @@ class OpenAIServing:
         finals = await run_to_completion(self.tm, singles, request)
         choices = []
         for s, item in zip(singles, finals):
-            meta = item["meta_info"]
             prefix = prompts_text[s.prompt_index] if prompts_text else ""
             lp = None
             if want_lp:
-                entries, tops = _LogprobCursor().take(meta, with_prompt=req.echo)
+                entries, tops = _LogprobCursor().take(item, with_prompt=req.echo)
                 lp = completion_logprobs(entries, tops, req.logprobs or 0)
-            finish, matched = finish_of(meta)
-            choices.append(CompletionChoice(index=s.index, text=prefix + item["text"], logprobs=lp,
+            finish, matched = finish_of(item)
+            choices.append(CompletionChoice(index=s.index, text=prefix + item.text, logprobs=lp,
                                             finish_reason=finish, matched_stop=matched))
         resp = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                   usage=usage_of(singles, finals))
@@ -236,22 +236,22 @@ class OpenAIServing:
                                  rid: str, created: int) -> AsyncIterator[bytes]:
         cursors = [_LogprobCursor() for _ in singles]
         offsets = [0] * len(singles)
-        finals: list[dict[str, Any] | None] = [None] * len(singles)
+        finals: list[GenerateOutput | None] = [None] * len(singles)
         want_lp = req.logprobs is not None
         try:
             async for index, item in fan.items():
-                s, meta = singles[index], item["meta_info"]
-                text = item["text_delta"]
+                s = singles[index]
+                text = item.text_delta
                 if prompts_text is not None and not cursors[index].prompt_sent:
                     text = prompts_text[s.prompt_index] + text
                 lp = None
                 if want_lp:
-                    entries, tops = cursors[index].take(meta, with_prompt=req.echo)
+                    entries, tops = cursors[index].take(item, with_prompt=req.echo)
                     lp = completion_logprobs(entries, tops, req.logprobs or 0, offsets[index])
                     offsets[index] += sum(len(t) for t in lp.tokens)
                 else:
                     cursors[index].prompt_sent = True
-                finish, matched = finish_of(meta)
+                finish, matched = finish_of(item)
                 finals[index] = item
                 if not text and finish is None and not (lp and lp.tokens):
                     continue
@@ -287,12 +287,11 @@ class OpenAIServing:
         finals = await run_to_completion(self.tm, singles, request)
         choices = []
         for s, item in zip(singles, finals):
-            meta = item["meta_info"]
             lp = None
             if req.logprobs:
-                lp = chat_logprobs(*_LogprobCursor().take(meta, with_prompt=False))
-            finish, matched = finish_of(meta)
-            content, calls, finish = complete_reply(plan, item["text"], finish)
+                lp = chat_logprobs(*_LogprobCursor().take(item, with_prompt=False))
+            finish, matched = finish_of(item)
+            content, calls, finish = complete_reply(plan, item.text, finish)
             choices.append(ChatCompletionChoice(
                 index=s.index, message=ChatResponseMessage(content=content, tool_calls=calls),
                 logprobs=lp, finish_reason=finish, matched_stop=matched))
@@ -306,7 +305,7 @@ class OpenAIServing:
         cursors = [_LogprobCursor() for _ in singles]
         tools = [ToolCallStream(plan) if plan is not None else None for _ in singles]
         started = [False] * len(singles)
-        finals: list[dict[str, Any] | None] = [None] * len(singles)
+        finals: list[GenerateOutput | None] = [None] * len(singles)
 
         def chunk(choice: ChatCompletionStreamChoice) -> bytes:
             return sse(_without_null_usage(ChatCompletionStreamResponse(
@@ -314,7 +313,7 @@ class OpenAIServing:
 
         try:
             async for index, item in fan.items():
-                s, meta = singles[index], item["meta_info"]
+                s = singles[index]
                 finals[index] = item
                 if not started[index]:
                     started[index] = True
@@ -322,9 +321,9 @@ class OpenAIServing:
                         index=s.index, delta=DeltaMessage(role="assistant", content="")))
                 lp = None
                 if req.logprobs:
-                    lp = chat_logprobs(*cursors[index].take(meta, with_prompt=False))
-                text, calls = item["text_delta"], []
-                finish, matched = finish_of(meta)
+                    lp = chat_logprobs(*cursors[index].take(item, with_prompt=False))
+                text, calls = item.text_delta, []
+                finish, matched = finish_of(item)
                 stream = tools[index]
                 if stream is not None:  # the parser holds back what may be call markup
                     text, calls = stream.feed(text)
@@ -370,16 +369,15 @@ def _without_null_usage(chunk: Any) -> dict[str, Any]:
     return data
 
 
-def usage_of(singles: Iterable[SingleGenerateReq], finals: Iterable[dict[str, Any] | None]
+def usage_of(singles: Iterable[SingleGenerateReq], finals: Iterable[GenerateOutput | None]
              ) -> UsageInfo:
     """Prompt tokens once per prompt (not per sample, as OpenAI counts), completion tokens of all."""
     prompt = completion = 0
     for s, item in zip(singles, finals):
         if item is None:
             continue
-        meta = item["meta_info"]
         if s.sample_index == 0:
-            prompt += meta.get("prompt_tokens") or 0
-        completion += meta.get("completion_tokens") or 0
+            prompt += item.prompt_tokens
+        completion += item.completion_tokens
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion)

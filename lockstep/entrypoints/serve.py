@@ -27,6 +27,7 @@ from lockstep.entrypoints.engine import (
 )
 from lockstep.entrypoints.http_server import create_app
 from lockstep.entrypoints.middleware import ServerStatus
+from lockstep.managers.io_struct import FINISH_ABORT
 from lockstep.managers.tokenizer_manager import RETRY_AFTER_S
 from lockstep.server_args import ServerArgs
 from lockstep.utils.http import error_body
@@ -146,7 +147,7 @@ class DrainingServer(uvicorn.Server):
             rids = list(tm.states)
             logger.warning("graceful shutdown: %d request(s) still running after %g s; aborting "
                            "them", len(rids), grace)
-            reason = {"type": "abort", "message": "the server is shutting down", "status_code": 503}
+            reason = FINISH_ABORT("the server is shutting down", status_code=503)
             for rid in rids:
                 await tm.abort(rid, reason)
             end = loop.time() + ABORT_GRACE_S

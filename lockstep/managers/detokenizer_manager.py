@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import traceback
@@ -11,7 +12,14 @@ from typing import Any
 import zmq
 
 from lockstep.managers.incremental_detokenizer import IncrementalDetokenizer
-from lockstep.managers.io_struct import BatchStrOut, BatchTokenIDOut, ReqOutput, decode, encode
+from lockstep.managers.io_struct import (
+    FINISH_MATCHED_STR,
+    BatchStrOut,
+    BatchTokenIDOut,
+    ReqOutput,
+    decode,
+    encode,
+)
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
 
@@ -43,16 +51,17 @@ class DetokenizerManager:
                 )
                 self.states[o.rid] = det
             res = det.push(o.new_token_ids)
-            o.text_delta = res.text_delta
-            if res.finished and o.finish_reason is None:
-                o.finish_reason = {"type": "stop", "matched": res.matched_stop}
-                o.finished_by_detokenizer = True
+            text, reason = res.text_delta, o.finish_reason
+            if res.finished and reason is None:
+                # The scheduler is stopped by an abort from the tokenizer manager, which knows
+                # a detokenizer finish by its FINISH_MATCHED_STR.
+                reason = FINISH_MATCHED_STR(res.matched_stop)
                 self.stopped.add(o.rid)
-            if o.finish_reason is not None:
-                o.text_delta += det.flush()
+            if reason is not None:
+                text += det.flush()
                 del self.states[o.rid]
-            o.sampling_params = None
-            out.append(o)
+            out.append(dataclasses.replace(o, text_delta=text, finish_reason=reason,
+                                           sampling_params=None))
         return BatchStrOut(out)
 
 

@@ -12,9 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Prompt tokens decoded in front of the first output tokens, so that they are decoded in context
-# (decoders that strip a leading space would otherwise eat the first output space). SGLang uses 5.
-PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -39,7 +36,6 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         stop: Sequence[str] = (),
-        prompt_ids: Sequence[int] = (),
         no_stop_trim: bool = False,
     ) -> None:
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -55,11 +51,10 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._no_stop_trim = no_stop_trim
 
-        context = [int(t) for t in list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]]
-        self._ids: list[int] = context
+        self._ids: list[int] = []
         # ids[surr:read] is already-decoded context for the window; ids[read:] is not yet emitted.
         self._surr = 0
-        self._read = len(context)
+        self._read = 0
         self._stable = ""  # text of every committed output token
         self._pending = ""  # text of uncommitted tokens, minus a trailing incomplete character
         self._text = ""  # what the caller has been given

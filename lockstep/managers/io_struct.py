@@ -4,7 +4,84 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
+
+
+class TokenLogprob(NamedTuple):
+    logprob: float | None  # None for a prompt's first token, which nothing predicts
+    token_id: int
+    text: str | None = None  # filled in by the tokenizer manager when the client asks for text
+
+
+# ---- finish reasons (SGLang's FINISH_* classes): `to_json()` only at the HTTP/Engine edge
+
+
+@dataclass(frozen=True)
+class BaseFinishReason:
+    type: ClassVar[str]  # OpenAI's finish_reason: "stop", "length" or "abort"
+
+    @property
+    def matched(self) -> int | str | None:
+        """The stop token id or stop string that ended the request, if one did."""
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FINISH_MATCHED_TOKEN(BaseFinishReason):  # noqa: N801 - SGLang's name
+    """A stop token id or an end-of-sequence token."""
+
+    token_id: int
+    type: ClassVar[str] = "stop"
+
+    @property
+    def matched(self) -> int:
+        return self.token_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.token_id}
+
+
+@dataclass(frozen=True)
+class FINISH_MATCHED_STR(BaseFinishReason):  # noqa: N801
+    """A stop string (found by the detokenizer)."""
+
+    text: str
+    type: ClassVar[str] = "stop"
+
+    @property
+    def matched(self) -> str:
+        return self.text
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.text}
+
+
+@dataclass(frozen=True)
+class FINISH_LENGTH(BaseFinishReason):  # noqa: N801
+    length: int
+    type: ClassVar[str] = "length"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass(frozen=True)
+class FINISH_ABORT(BaseFinishReason):  # noqa: N801
+    """Aborted (by the client, the server shutting down, or a request that can never run: then
+    `status_code` is the HTTP status the client gets)."""
+
+    message: str = "aborted"
+    status_code: int | None = None
+    type: ClassVar[str] = "abort"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "abort", "message": self.message}
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
+        return out
 
 
 @dataclass
@@ -45,9 +122,11 @@ class TokenizedGenerateReq:
 
 @dataclass
 class AbortReq:
+    """Stop a request and free its KV: a client gone, a stop string the detokenizer matched (the
+    client already has its finish), or the server shutting down (`reason` says why)."""
+
     rid: str
-    # Set when the abort is really a finish the front process detected (a stop string).
-    finish_reason: dict[str, Any] | None = None
+    reason: FINISH_ABORT = FINISH_ABORT()
 
 
 @dataclass
@@ -67,22 +146,19 @@ class ReqOutput:
 
     rid: str
     new_token_ids: list[int]
-    finish_reason: dict[str, Any] | None
+    finish_reason: BaseFinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     dp_rank: int = 0  # which data-parallel replica served it
-    # The detokenizer needs the stop strings and special-token settings.
+    # The detokenizer needs the stop strings and special-token settings (first output only).
     sampling_params: SamplingParams | None = None
-    # Filled in by the detokenizer.
+    # The detokenizer's: the text these tokens add (a stop string it matched sets the finish).
     text_delta: str = ""
-    # True when the detokenizer, not the scheduler, finished it (a stop string matched): the
-    # tokenizer manager then tells the scheduler to stop the request and free its KV.
-    finished_by_detokenizer: bool = False
 
 
 @dataclass

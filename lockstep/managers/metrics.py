@@ -95,8 +95,7 @@ class Metrics:
                     self.itl.observe((now - last) / n)
         if out.finish_reason is not None:
             self.e2e.observe(now - state.created)
-            kind = str(out.finish_reason.get("type", "unknown"))
-            self.requests.labels(finish_reason=kind, **self.labels).inc()
+            self.requests.labels(finish_reason=out.finish_reason.type, **self.labels).inc()
 
     def render(self) -> bytes:
         """The Prometheus text format (CONTENT_TYPE is its media type)."""

@@ -20,7 +20,12 @@ from typing import Any
 import torch
 
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
-from lockstep.managers.io_struct import SamplingParams, TokenizedGenerateReq
+from lockstep.managers.io_struct import (
+    BaseFinishReason,
+    SamplingParams,
+    TokenizedGenerateReq,
+    TokenLogprob,
+)
 from lockstep.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -48,16 +53,16 @@ class Req:
     prefix_len: int = 0  # of cached_len, tokens owned by the prefix tree (locked via last_node)
     last_node: Any = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to clients)
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: BaseFinishReason | None = None
     retractions: int = 0
     sent_len: int = 0  # output tokens already reported
     # Overlap scheduling: placeholder (< 0) of the token a launched, unprocessed batch samples.
     future_token: int | None = None
     # logprobs accumulated since the last report
-    out_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    out_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    in_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
-    in_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    out_logprobs: list[TokenLogprob] = field(default_factory=list)
+    out_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    in_logprobs: list[TokenLogprob] = field(default_factory=list)
+    in_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
 
     @classmethod
     def from_input(cls, r: TokenizedGenerateReq, arrival: int) -> Req:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lockstep.managers.io_struct import (
+    FINISH_ABORT,
     AbortReq,
     FlushCacheOut,
     FlushCacheReq,
@@ -26,6 +27,7 @@ from lockstep.managers.io_struct import (
 )
 from lockstep.managers.schedule_batch import Req, ReqState, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
+from lockstep.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
 from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from lockstep.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from lockstep.mem_cache.radix_cache import ChunkCache, RadixCache
@@ -64,7 +66,7 @@ class InFlight:
     futures: list[int]  # placeholder of each token it samples, in sampling-row order
 
 
-class Scheduler:
+class Scheduler(SchedulerOutputProcessorMixin):
     def __init__(self, args: ServerArgs, worker: TpModelWorker, eos_token_ids: Iterable[int] = (),
                  strict_integrity: bool = False) -> None:
         self.args = args
@@ -93,8 +95,7 @@ class Scheduler:
         self.control_replies: list[Any] = []
         # Called with (step, fingerprint) before each step's batch runs; the lockstep check.
         self.before_run: Callable[[int, str], None] | None = None
-        self.perturb = False
-        self.dp_rank = 0  # fault injection for the lockstep check's own test
+        self.dp_rank = 0  # which data-parallel replica this scheduler serves
         # Overlap scheduling (args.overlap_schedule): at most one batch in flight at a step's
         # start. Request rows freed while a launched batch may still read them are parked
         # (with the launch number they wait for) so no new request reuses them too early.
@@ -111,7 +112,7 @@ class Scheduler:
             if isinstance(msg, TokenizedGenerateReq):
                 self._add_request(msg)
             elif isinstance(msg, AbortReq):
-                self.abort(msg.rid, msg.finish_reason)
+                self.abort(msg.rid, msg.reason)
             elif isinstance(msg, FlushCacheReq):
                 self.control_replies.append(self.flush_cache())
             else:
@@ -133,26 +134,15 @@ class Scheduler:
             error = f"input_ids must be in [0, {self.vocab_size})"
         self.stats.prompt_tokens += n_prompt
         if error:
-            self._finish(req, {"type": "abort", "message": error, "status_code": 400})
+            self.finish(req, FINISH_ABORT(error, status_code=400))
             return
         self.waiting.append(req)
 
-    def abort(self, rid: str, reason: dict[str, Any] | None = None) -> None:
-        reason = reason or {"type": "abort", "message": "aborted"}
-        for req in list(self.waiting):
+    def abort(self, rid: str, reason: FINISH_ABORT = FINISH_ABORT()) -> None:
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        for req in [*self.waiting, *chunked, *self.running]:
             if req.rid == rid:
-                self.waiting.remove(req)
-                self._release(req)
-                self._finish(req, reason)
-        if self.chunked_req is not None and self.chunked_req.rid == rid:
-            req, self.chunked_req = self.chunked_req, None
-            self._release(req)
-            self._finish(req, reason)
-        for req in list(self.running):
-            if req.rid == rid:
-                self.running.remove(req)
-                self._release(req)
-                self._finish(req, reason)
+                self.finish(req, reason)
 
     def flush_cache(self) -> FlushCacheOut:
         self._sync()  # the tree may not change under a batch in flight
@@ -255,7 +245,8 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked_req or self.inflight)
 
-    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+    def form_batch(self) -> ScheduleBatch | None:
+        """This step's requests: a prefill (mixed with decodes when enabled), else a decode."""
         self._decay_ratio()
         prefill = self._prefill_batch()
         if prefill is not None and self.args.enable_mixed_chunk and self.running:
@@ -264,12 +255,12 @@ class Scheduler:
                 prefill = ScheduleBatch(prefill.reqs + decode.reqs, ForwardMode.MIXED,
                                         prefill.samples + decode.samples,
                                         torch.cat((prefill.out_cache_loc, decode.out_cache_loc)))
-        batch = prefill if prefill is not None else self._decode_batch()
+        return prefill if prefill is not None else self._decode_batch()
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch = self.form_batch()
         if batch is None:
             return None
-        if self.perturb and len(batch.reqs) > 1:
-            batch.reqs.reverse()
-            batch.samples.reverse()
         batch.extend_lens = [r.extend_len for r in batch.reqs]
         batch.worker_batch = batch.to_worker_batch(
             self.req_to_token_pool.req_to_token, batch.out_cache_loc, self.vocab_size,
@@ -415,94 +406,6 @@ class Scheduler:
         step = (self.init_ratio - floor) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = max(floor, self.new_token_ratio - step)
 
-    # ---- results ------------------------------------------------------------------------
-    def process_batch_result(self, batch: ScheduleBatch, res: GenerationBatchResult,
-                             futures: list[int] | None = None) -> None:
-        sampled = 0
-        for i, req in enumerate(batch.reqs):
-            j = sampled
-            sampled += batch.samples[i]
-            if batch.samples[i] and futures is not None and req.future_token == futures[j]:
-                req.future_token = None  # no later batch of this request was launched yet
-            # Finished already: aborted while the batch ran or, with overlap, finished by the
-            # previous batch. Its token here is dropped; its KV was released then, once.
-            if req.finished:
-                continue
-            if batch.mode != ForwardMode.DECODE:
-                self.stats.prefill_tokens += batch.extend_lens[i]
-            req.cached_len = req.device_len  # already so when an overlap launch moved it
-            if res.prompt_logprobs and res.prompt_logprobs[i] is not None:
-                self._add_prompt_logprobs(req, res, i)
-            if not batch.samples[i]:
-                self._cache_unfinished(req)
-                continue
-            was_prefill = req.state == ReqState.PREFILL
-            if req.sampling_params.max_new_tokens == 0:
-                self._end(req, {"type": "length", "length": 0})
-                continue
-            token = res.next_token_ids[j]
-            req.output_ids.append(token)
-            self.stats.generated_tokens += 1
-            if req.return_logprob and res.next_token_logprobs is not None:
-                req.out_logprobs.append((res.next_token_logprobs[j], token))
-                if req.top_logprobs_num and res.next_top_logprobs is not None:
-                    req.out_top_logprobs.append(res.next_top_logprobs[j][: req.top_logprobs_num])
-            reason = self._check_finished(req, token)
-            if reason is not None:
-                self._end(req, reason)
-                continue
-            if was_prefill:
-                req.state = ReqState.DECODE
-                self._cache_unfinished(req)
-                self.running.append(req)
-            self._emit(req)
-
-    def _add_prompt_logprobs(self, req: Req, res: GenerationBatchResult, i: int) -> None:
-        if not req.in_logprobs and req.prompt_logprob_start is not None:
-            start = req.prompt_logprob_start
-            req.in_logprobs.append((None, req.origin_input_ids[start]))
-            if req.top_logprobs_num:
-                req.in_top_logprobs.append([])
-        req.in_logprobs.extend(res.prompt_logprobs[i])
-        if req.top_logprobs_num and res.prompt_top_logprobs[i]:
-            req.in_top_logprobs.extend(t[: req.top_logprobs_num] for t in res.prompt_top_logprobs[i])
-
-    def _check_finished(self, req: Req, token: int) -> dict[str, Any] | None:
-        p = req.sampling_params
-        n = len(req.output_ids)
-        if n >= p.min_new_tokens:
-            if token in p.stop_token_ids:
-                return {"type": "stop", "matched": token}
-            if not p.ignore_eos and token in self.eos_ids:
-                return {"type": "stop", "matched": token}
-        if n >= p.max_new_tokens or req.seq_len >= self.max_req_len:
-            return {"type": "length", "length": n}
-        return None
-
-    def _end(self, req: Req, reason: dict[str, Any]) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        self._release(req)
-        self._finish(req, reason)
-
-    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
-        req.finish_reason = reason
-        req.state = ReqState.FINISHED
-        self._emit(req)
-
-    def _emit(self, req: Req) -> None:
-        new = req.output_ids[req.sent_len:]
-        req.sent_len = len(req.output_ids)
-        self._pending.append(ReqOutput(
-            rid=req.rid, new_token_ids=new, finish_reason=req.finish_reason,
-            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            output_token_logprobs=req.out_logprobs, output_top_logprobs=req.out_top_logprobs,
-            input_token_logprobs=req.in_logprobs, input_top_logprobs=req.in_top_logprobs,
-            sampling_params=req.sampling_params, dp_rank=self.dp_rank,
-        ))
-        req.out_logprobs, req.out_top_logprobs, req.in_logprobs, req.in_top_logprobs = [], [], [], []
-
     # ---- KV ownership -------------------------------------------------------------------
     def _row(self, req: Req) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len]
@@ -575,6 +478,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     from lockstep.layers.quantization import check_supported, quantize_model
     from lockstep.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
     from lockstep.model_loader import resolve_model
+    from lockstep.model_loader.stop_tokens import stop_token_ids
 
     source = resolve_model(args.model_path)
     model_cfg = ModelConfig.from_hf(source.hf_config)
@@ -591,27 +495,6 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
         n = quantize_model(runner.model, args.quantization)
         logger.info("--quantization %s: %d linears packed", args.quantization, n)
     worker = TpModelWorker(runner, args.micro_batches)
-    return Scheduler(args, worker, stop_token_ids(source.model_dir, model_cfg),
+    return Scheduler(args, worker, stop_token_ids(source.model_dir, model_cfg.eos_token_ids),
                      strict_integrity)
 
-
-# End-of-turn tokens of the chat formats we know: a chat reply ends there, not at <eos>.
-END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end_of_text|>", "<|endoftext|>")
-
-
-def stop_token_ids(model_dir, model_cfg) -> list[int]:
-    import json
-    from pathlib import Path
-
-    from tokenizers import Tokenizer
-
-    ids = set(model_cfg.eos_token_ids)
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    tok_file = Path(model_dir) / "tokenizer.json"
-    if tok_file.exists():
-        tok = Tokenizer.from_file(str(tok_file))
-        ids |= {i for t in END_OF_TURN_TOKENS if (i := tok.token_to_id(t)) is not None}
-    return sorted(ids)

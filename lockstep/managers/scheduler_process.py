@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing as mp
-import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -32,8 +31,6 @@ from lockstep.utils.process import configure_logging, die_with_parent, set_title
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500
-# Test-only fault injection: this TP rank reorders its batches, so the lockstep check must fire.
-PERTURB_ENV = "LOCKSTEP_FAULT_PERTURB_RANK"
 
 
 class LockstepError(RuntimeError):
@@ -112,8 +109,6 @@ def event_loop(args: ServerArgs, sched: Scheduler, world: ParallelGroup, recv: z
                send: zmq.Socket | None, load: zmq.Socket | None = None) -> None:
     if args.enable_lockstep_check:
         sched.before_run = lockstep_checker(args.enable_lockstep_check, world)
-    if os.environ.get(PERTURB_ENV) == str(world.global_rank):
-        sched.perturb = True
     # A busy scheduler that finishes no step for --watchdog-timeout s takes the server down.
     watchdog = ForwardProgressWatchdog(args.watchdog_timeout, mp.current_process().name).start()
     last_load: tuple[int, int, int] | None = None

@@ -1,8 +1,8 @@
 """The front process's request tracker: tokenize, send to the scheduler, await outputs.
 
 Each request has a small state with a queue; one background task reads the detokenizer's
-socket and routes each output to its request. `generate` is an async iterator of SGLang-format
-dicts ({"text", "output_ids", "meta_info"}) that the HTTP routes and the Engine share."""
+socket and routes each output to its request. `generate` is an async iterator of
+`GenerateOutput`s that the HTTP routes and the Engine share."""
 
 from __future__ import annotations
 
@@ -20,13 +20,17 @@ import zmq.asyncio
 
 from lockstep.managers.generate_request import SamplingParamsModel, SingleGenerateReq
 from lockstep.managers.io_struct import (
+    FINISH_ABORT,
+    FINISH_MATCHED_STR,
     AbortReq,
+    BaseFinishReason,
     BatchStrOut,
     FlushCacheOut,
     FlushCacheReq,
     ReqOutput,
     SamplingParams,
     TokenizedGenerateReq,
+    TokenLogprob,
     decode,
     encode,
 )
@@ -64,7 +68,49 @@ class ReqState:
     first_token_time: float | None = None
     last_token_time: float | None = None  # of the last output that carried tokens
     outputs_seen: int = 0
-    meta: dict[str, Any] = field(default_factory=dict)
+    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    input_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+
+
+@dataclass
+class GenerateOutput:
+    """One output of a request: everything so far (`text`, `output_ids`, the logprob lists,
+    which are the request's own and keep growing) and what this output added."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    text_delta: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: BaseFinishReason | None
+    e2e_latency: float
+    dp_rank: int | None = None  # with --dp-size > 1
+    # With return_logprob (the top lists also with top_logprobs_num):
+    output_token_logprobs: list[TokenLogprob] | None = None
+    input_token_logprobs: list[TokenLogprob] | None = None
+    output_top_logprobs: list[list[TokenLogprob]] | None = None
+    input_top_logprobs: list[list[TokenLogprob] | None] | None = None
+
+    def meta_info(self) -> dict[str, Any]:
+        """SGLang's meta_info, for the HTTP and Engine outputs."""
+        meta: dict[str, Any] = {
+            "id": self.rid, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
+            "e2e_latency": self.e2e_latency,
+        }
+        if self.dp_rank is not None:
+            meta["dp_rank"] = self.dp_rank
+        for name in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs",
+                     "input_top_logprobs"):
+            if getattr(self, name) is not None:
+                meta[name] = getattr(self, name)
+        return meta
 
 
 class TokenizerManager:
@@ -159,9 +205,9 @@ class TokenizerManager:
         return SamplingParams(max_new_tokens=max_new, **fields)
 
     async def generate(self, req: SingleGenerateReq, prompt_ids: list[int] | None = None
-                       ) -> AsyncIterator[dict[str, Any]]:
-        """Yields one dict per output message; the last has meta_info.finish_reason set. If the
-        consumer stops early (client gone), the request is aborted and its KV freed."""
+                       ) -> AsyncIterator[GenerateOutput]:
+        """Yields one output per message; the last has its finish_reason set. If the consumer
+        stops early (client gone), the request is aborted and its KV freed."""
         ids = prompt_ids if prompt_ids is not None else await self.tokenize(req)
         params = self.to_sampling_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests
@@ -189,7 +235,8 @@ class TokenizerManager:
             if not state.finished:
                 await self.abort(rid)
 
-    def _merge(self, state: ReqState, out: ReqOutput, req: SingleGenerateReq) -> dict[str, Any]:
+    def _merge(self, state: ReqState, out: ReqOutput, req: SingleGenerateReq
+               ) -> GenerateOutput:
         now = time.perf_counter()
         for observe in self.observers:
             observe(state, out, now)
@@ -201,30 +248,33 @@ class TokenizerManager:
         state.text += out.text_delta
         state.output_ids.extend(out.new_token_ids)
         state.finished = out.finish_reason is not None
-        meta = state.meta
-        meta.update(id=state.rid, prompt_tokens=out.prompt_tokens,
-                    completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
-                    finish_reason=out.finish_reason, e2e_latency=now - state.created)
-        if self.args.dp_size > 1:
-            meta["dp_rank"] = out.dp_rank
+        result = GenerateOutput(
+            state.rid, state.text, list(state.output_ids), out.text_delta,
+            list(out.new_token_ids), out.prompt_tokens, out.completion_tokens, out.cached_tokens,
+            out.finish_reason, now - state.created,
+            dp_rank=out.dp_rank if self.args.dp_size > 1 else None)
         if req.return_logprob:
-            meta.setdefault("output_token_logprobs", []).extend(self._lp(out.output_token_logprobs, req))
-            meta.setdefault("input_token_logprobs", []).extend(self._lp(out.input_token_logprobs, req))
+            text = req.return_text_in_logprobs
+            state.output_token_logprobs.extend(self._with_text(out.output_token_logprobs, text))
+            state.input_token_logprobs.extend(self._with_text(out.input_token_logprobs, text))
+            result.output_token_logprobs = state.output_token_logprobs
+            result.input_token_logprobs = state.input_token_logprobs
             if req.top_logprobs_num:
-                meta.setdefault("output_top_logprobs", []).extend(
-                    [self._lp(t, req) for t in out.output_top_logprobs])
-                meta.setdefault("input_top_logprobs", []).extend(
-                    [self._lp(t, req) if t else None for t in out.input_top_logprobs])
-        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": dict(meta),
-                "text_delta": out.text_delta, "new_token_ids": list(out.new_token_ids)}
+                state.output_top_logprobs.extend(
+                    self._with_text(t, text) for t in out.output_top_logprobs)
+                state.input_top_logprobs.extend(
+                    self._with_text(t, text) if t else None for t in out.input_top_logprobs)
+                result.output_top_logprobs = state.output_top_logprobs
+                result.input_top_logprobs = state.input_top_logprobs
+        return result
 
-    def _lp(self, pairs: list, req: SingleGenerateReq) -> list[tuple]:
-        if req.return_text_in_logprobs:
-            return [(lp, tid, self.tokenizer.decode([tid])) for lp, tid in pairs]
-        return [(lp, tid, None) for lp, tid in pairs]
+    def _with_text(self, entries: list[TokenLogprob], text: bool) -> list[TokenLogprob]:
+        if not text:
+            return entries
+        return [e._replace(text=self.tokenizer.decode([e.token_id])) for e in entries]
 
-    async def abort(self, rid: str, finish_reason: dict | None = None) -> None:
-        await self.to_scheduler.send(encode(AbortReq(rid, finish_reason)))
+    async def abort(self, rid: str, reason: FINISH_ABORT = FINISH_ABORT()) -> None:
+        await self.to_scheduler.send(encode(AbortReq(rid, reason)))
 
     async def flush_cache(self) -> FlushCacheOut:
         self.start()
@@ -245,9 +295,10 @@ class TokenizerManager:
                 return
             if isinstance(msg, BatchStrOut):
                 for out in msg.outputs:
-                    if out.finished_by_detokenizer:
-                        # A stop string matched: the scheduler must stop it and free its KV.
-                        await self.abort(out.rid, out.finish_reason)
+                    if isinstance(out.finish_reason, FINISH_MATCHED_STR):
+                        # The detokenizer matched a stop string: the scheduler, which has not
+                        # finished the request, must stop it and free its KV.
+                        await self.abort(out.rid)
                     state = self.states.get(out.rid)
                     if state is not None:
                         state.queue.put_nowait(out)

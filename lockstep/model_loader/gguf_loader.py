@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from lockstep.model_loader.source import ModelLoadError
+from lockstep.model_loader.stop_tokens import END_OF_TURN_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,6 @@ _HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# Tokens llama.cpp ends generation on besides EOS (it matches them by text, as here).
-_EOT_TOKENS = (
-    "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>"
-)
 
 
 def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
@@ -416,7 +413,7 @@ def _write_generation_config(
     generation = GenerationConfig.from_model_config(config)
     eos = [config.eos_token_id] if config.eos_token_id is not None else []
     extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-    extra += [vocab.get(t) for t in _EOT_TOKENS]
+    extra += [vocab.get(t) for t in END_OF_TURN_TOKENS]
     for token_id in extra:
         if token_id is not None and token_id not in eos:
             eos.append(int(token_id))

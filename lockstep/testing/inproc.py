@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.managers.io_struct import SamplingParams, TokenizedGenerateReq
+from lockstep.managers.io_struct import BaseFinishReason, SamplingParams, TokenizedGenerateReq
 from lockstep.managers.scheduler import Scheduler, create_scheduler
 from lockstep.server_args import ServerArgs
 
@@ -13,7 +13,7 @@ from lockstep.server_args import ServerArgs
 @dataclass
 class Finished:
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: BaseFinishReason | None = None
     logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     cached_tokens: int = 0
@@ -44,8 +44,8 @@ def run_to_completion(sched: Scheduler, schedule: dict[int, list[Any]] | list[An
         for out in sched.step(timed.get(step, [])):
             r = results.setdefault(out.rid, Finished())
             r.output_ids.extend(out.new_token_ids)
-            r.logprobs.extend(lp for lp, _ in out.output_token_logprobs)
-            r.input_logprobs.extend(lp for lp, _ in out.input_token_logprobs)
+            r.logprobs.extend(e.logprob for e in out.output_token_logprobs)
+            r.input_logprobs.extend(e.logprob for e in out.input_token_logprobs)
             r.cached_tokens = out.cached_tokens
             if out.finish_reason is not None:
                 r.finish_reason = out.finish_reason
@@ -67,10 +67,10 @@ def generate_through(launched: Any, prompts: list[list[int]], max_new: int,
     async def one(ids: list[int]) -> list[int]:
         req = GenerateReqInput(input_ids=ids, sampling_params={
             "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
-        last: dict[str, Any] = {}
+        ids: list[int] = []
         async for out in tm.generate(req):
-            last = out
-        return last["output_ids"]
+            ids = out.output_ids
+        return ids
 
     async def main() -> list[list[int]]:
         if concurrent:

@@ -31,8 +31,18 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     ).model_dump()
 
 
+def _default(value: Any) -> Any:
+    if isinstance(value, tuple):  # a NamedTuple (a TokenLogprob): a JSON array, as a tuple is
+        return tuple(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def dumps(content: Any) -> bytes:
+    return orjson.dumps(content, default=_default)
+
+
 def json_response(content: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+    return Response(dumps(content), status_code=status, media_type="application/json")
 
 
 def error_response(message: str, status: int = 400, param: str | None = None) -> Response:
@@ -45,7 +55,7 @@ def sse(data: Any) -> bytes:
         return f"data: {data}\n\n".encode()
     if isinstance(data, BaseModel):
         data = data.model_dump()
-    return b"data: " + orjson.dumps(data) + b"\n\n"
+    return b"data: " + dumps(data) + b"\n\n"
 
 
 SSE_DONE = sse("[DONE]")

@@ -1,0 +1,112 @@
+"""The scheduler's result half (SGLang's SchedulerOutputProcessorMixin): take a batch's sampled
+tokens into its requests, decide which finished, and queue the outputs the scheduler sends on.
+`finish` is the one place a request ends, whatever ended it."""
+
+from __future__ import annotations
+
+from lockstep.managers.io_struct import (
+    FINISH_LENGTH,
+    FINISH_MATCHED_TOKEN,
+    BaseFinishReason,
+    ReqOutput,
+    TokenLogprob,
+)
+from lockstep.managers.schedule_batch import Req, ReqState, ScheduleBatch
+from lockstep.managers.tp_worker import GenerationBatchResult
+from lockstep.model_executor.forward_batch import ForwardMode
+
+
+class SchedulerOutputProcessorMixin:
+    """Mixed into Scheduler, whose state (queues, tree, stats, pending outputs) it works on."""
+
+    def process_batch_result(self, batch: ScheduleBatch, res: GenerationBatchResult,
+                             futures: list[int] | None = None) -> None:
+        sampled = 0
+        for i, req in enumerate(batch.reqs):
+            j = sampled
+            sampled += batch.samples[i]
+            if batch.samples[i] and futures is not None and req.future_token == futures[j]:
+                req.future_token = None  # no later batch of this request was launched yet
+            # Finished already: aborted while the batch ran or, with overlap, finished by the
+            # previous batch. Its token here is dropped; its KV was released then, once.
+            if req.finished:
+                continue
+            if batch.mode != ForwardMode.DECODE:
+                self.stats.prefill_tokens += batch.extend_lens[i]
+            req.cached_len = req.device_len  # already so when an overlap launch moved it
+            if res.prompt_logprobs and res.prompt_logprobs[i] is not None:
+                self._add_prompt_logprobs(req, res, i)
+            if not batch.samples[i]:
+                self._cache_unfinished(req)
+                continue
+            was_prefill = req.state == ReqState.PREFILL
+            if req.sampling_params.max_new_tokens == 0:
+                self.finish(req, FINISH_LENGTH(0))
+                continue
+            token = res.next_token_ids[j]
+            req.output_ids.append(token)
+            self.stats.generated_tokens += 1
+            if req.return_logprob and res.next_token_logprobs is not None:
+                req.out_logprobs.append(TokenLogprob(res.next_token_logprobs[j], token))
+                if req.top_logprobs_num and res.next_top_logprobs is not None:
+                    req.out_top_logprobs.append(
+                        _logprobs(res.next_top_logprobs[j][: req.top_logprobs_num]))
+            reason = self._check_finished(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+                continue
+            if was_prefill:
+                req.state = ReqState.DECODE
+                self._cache_unfinished(req)
+                self.running.append(req)
+            self._emit(req)
+
+    def _add_prompt_logprobs(self, req: Req, res: GenerationBatchResult, i: int
+                             ) -> None:
+        if not req.in_logprobs and req.prompt_logprob_start is not None:
+            start = req.prompt_logprob_start
+            req.in_logprobs.append(TokenLogprob(None, req.origin_input_ids[start]))
+            if req.top_logprobs_num:
+                req.in_top_logprobs.append([])
+        req.in_logprobs.extend(_logprobs(res.prompt_logprobs[i]))
+        if req.top_logprobs_num and res.prompt_top_logprobs[i]:
+            req.in_top_logprobs.extend(_logprobs(t[: req.top_logprobs_num])
+                                       for t in res.prompt_top_logprobs[i])
+
+    def _check_finished(self, req: Req, token: int) -> BaseFinishReason | None:
+        p = req.sampling_params
+        n = len(req.output_ids)
+        if n >= p.min_new_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)):
+            return FINISH_MATCHED_TOKEN(token)
+        if n >= p.max_new_tokens or req.seq_len >= self.max_req_len:
+            return FINISH_LENGTH(n)
+        return None
+
+    def finish(self, req: Req, reason: BaseFinishReason) -> None:
+        """End a request: out of every queue, its KV released, its last output queued."""
+        self.waiting = [r for r in self.waiting if r is not req]
+        self.running = [r for r in self.running if r is not req]
+        if self.chunked_req is req:
+            self.chunked_req = None
+        self._release(req)
+        req.finish_reason = reason
+        req.state = ReqState.FINISHED
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        new = req.output_ids[req.sent_len:]
+        req.sent_len = len(req.output_ids)
+        self._pending.append(ReqOutput(
+            rid=req.rid, new_token_ids=new, finish_reason=req.finish_reason,
+            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            output_token_logprobs=req.out_logprobs, output_top_logprobs=req.out_top_logprobs,
+            input_token_logprobs=req.in_logprobs, input_top_logprobs=req.in_top_logprobs,
+            sampling_params=req.sampling_params, dp_rank=self.dp_rank,
+        ))
+        req.out_logprobs, req.out_top_logprobs, req.in_logprobs, req.in_top_logprobs = [], [], [], []
+
+
+def _logprobs(pairs: list[tuple[float, int]]) -> list[TokenLogprob]:
+    return [TokenLogprob(lp, tid) for lp, tid in pairs]

@@ -1,0 +1,53 @@
+"""`lockstep serve`'s command line, built from the ServerArgs table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lockstep.cli import serve_parser, server_args_from
+from lockstep.server_args import ServerArgs
+
+
+def _parse(*argv: str) -> ServerArgs:
+    parser = serve_parser()
+    return server_args_from(parser, parser.parse_args(list(argv)))
+
+
+def test_no_flags_give_the_defaults():
+    assert _parse() == ServerArgs()
+
+
+def test_every_field_has_its_flag_with_help_and_a_group():
+    help_text = serve_parser().format_help()
+    for f in dataclasses.fields(ServerArgs):
+        assert "--" + f.name.replace("_", "-") in help_text, f.name
+        assert f.metadata["help"] and f.metadata["group"], f.name
+    assert "model options" in help_text and "parallelism options" in help_text
+
+
+def test_values_are_typed_from_the_annotations():
+    args = _parse("--port", "8000", "--mem-fraction-static", "0.5", "--max-total-tokens", "4096",
+                  "--model-path", "m.gguf", "--pp-micro-batches", "2")
+    assert (args.port, args.mem_fraction_static, args.max_total_tokens) == (8000, 0.5, 4096)
+    assert args.model_path == "m.gguf" and args.pp_micro_batches == 2
+
+
+def test_sglangs_flag_names_and_both_senses_of_booleans():
+    assert _parse("--disable-radix-cache").disable_radix_cache
+    assert not _parse("--disable-radix-cache", "--no-disable-radix-cache").disable_radix_cache
+    assert _parse("--enable-overlap-schedule").overlap_schedule
+    assert not _parse("--device", "cuda", "--disable-overlap-schedule").overlap_schedule
+    assert not _parse("--device", "cuda", "--no-enable-overlap-schedule").overlap_schedule
+    assert _parse("--device", "cuda").overlap_schedule  # the device's default
+    assert _parse("--enable-mixed-chunk").enable_mixed_chunk
+
+
+def test_bad_values_exit_with_a_message_naming_the_problem(capsys):
+    for argv, needle in ((["--quantization", "int3"], "invalid choice: 'int3'"),
+                         (["--port", "http"], "invalid int value"),
+                         (["--tp-size", "0"], "--tp-size must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            _parse(*argv)
+        assert e.value.code == 2 and needle in capsys.readouterr().err, argv
