@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lockstep.managers.io_struct import AbortReq
+from lockstep.managers.io_struct import AbortReq, BaseFinishReason
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 
@@ -130,7 +130,7 @@ def test_abort_while_its_batch_is_in_flight_frees_kv_once(model_dir):
     reqs = [greedy_req(f"a{i}", _prompt(rng, 20), 30) for i in range(4)]
     sched = _sched(model_dir, True)
     tokens: dict[str, list[int]] = {}
-    reasons: dict[str, dict] = {}
+    reasons: dict[str, BaseFinishReason] = {}
 
     def step(msgs=()):
         for out in sched.step(msgs):
@@ -145,7 +145,7 @@ def test_abort_while_its_batch_is_in_flight_frees_kv_once(model_dir):
     assert sched.inflight is not None and any(r.rid == "a1" for r in sched.inflight.batch.reqs)
     # a1 is in the batch in flight; a2 is aborted twice (the second one finds nothing).
     step([AbortReq("a1"), AbortReq("a2"), AbortReq("a2")])
-    assert reasons["a1"]["type"] == reasons["a2"]["type"] == "abort"
+    assert reasons["a1"].type == reasons["a2"].type == "abort"
     while not sched.is_idle():
         step()
     sched.check_integrity()  # strict: a slot freed twice or never would raise

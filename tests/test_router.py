@@ -89,9 +89,10 @@ def test_cache_aware_policy():
     first.load, other.load = 10, 0
     assert policy.select(ws, prefix + "question x") is other
     assert policy.decisions["balance"] == 1
-    # ... but not past only one of them
+    # ... but not past only one of them: both now hold the prefix, the less loaded wins the tie
     first.load, other.load = 10, 7
-    assert policy.select(ws, prefix + "question y") is first
+    assert policy.select(ws, prefix + "question y") is other
+    assert policy.decisions == {"balance": 1, "cache_hit": 10, "cache_miss": 2}
     # a match below the threshold is a miss
     low = CacheAware(cache_threshold=0.9)
     a = low.select(ws, "abcdefghij")

@@ -24,6 +24,7 @@ from lockstep.managers.io_struct import (
     encode,
 )
 from lockstep.server_args import PortArgs, ServerArgs
+from lockstep.utils.cache_aware import CacheAwareRule
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
 
 logger = logging.getLogger(__name__)
@@ -53,9 +54,7 @@ class Dispatcher:
                  max_blocks: int = 1 << 16, seed: int = 0) -> None:
         self.method = method
         self.replicas = [ReplicaState() for _ in range(dp_size)]
-        self.cache_threshold = cache_threshold
-        self.abs_threshold = balance_abs_threshold
-        self.rel_threshold = balance_rel_threshold
+        self.rule = CacheAwareRule(cache_threshold, balance_abs_threshold, balance_rel_threshold)
         self.max_blocks = max_blocks
         self.next_rr = 0
         self.rng = random.Random(seed)
@@ -103,18 +102,11 @@ class Dispatcher:
         return n
 
     def _cache_aware(self, ids: list[int]) -> int:
-        loads = [s.load for s in self.replicas]
-        lo, hi = min(loads), max(loads)
-        if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
-            return self._least(lambda s: s.load)
         chain = self._chain(ids)
-        matches = [self._match_blocks(s, chain) for s in self.replicas]
-        best = max(range(len(matches)), key=lambda i: (matches[i], -loads[i], -i))
-        rate = matches[best] * BLOCK / max(1, len(ids))
-        if rate > self.cache_threshold:
-            return best
-        # A cold prefix goes where the least is cached, which spreads distinct prefixes out.
-        return min(range(len(self.replicas)), key=lambda i: (len(self.replicas[i].blocks), loads[i], i))
+        matched = [self._match_blocks(s, chain) * BLOCK / max(1, len(ids)) for s in self.replicas]
+        target, _why = self.rule.choose([s.load for s in self.replicas], matched,
+                                        [len(s.blocks) for s in self.replicas])
+        return target
 
     def _remember(self, target: int, ids: list[int]) -> None:
         blocks = self.replicas[target].blocks

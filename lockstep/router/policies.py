@@ -3,16 +3,12 @@
 - `round_robin`: the healthy workers in turn.
 - `random`: uniformly at random (seeded, so a run can be replayed).
 - `power_of_two`: two workers at random, the one with fewer requests in flight.
-- `cache_aware`: SGLang router's algorithm. The router keeps an approximate radix tree per worker
-  of the request texts it sent there (a character tree; prompt text, chat messages rendered to one
-  string, or input ids as a string of numbers). For each request:
-    1. when the load is imbalanced — max - min > `balance_abs_threshold` AND
-       max > min * `balance_rel_threshold` (load = requests in flight) — the least loaded worker;
-    2. else, when the longest prefix match over the workers' trees covers more than
-       `cache_threshold` of the text, the worker with that match;
-    3. else the worker whose tree is smallest (ties: the least loaded), which spreads new prefixes.
-  The text is then inserted into the chosen worker's tree. Each tree holds at most
-  `max_tree_size` characters; past that its least recently used leaves are evicted.
+- `cache_aware`: SGLang router's algorithm (`lockstep.utils.cache_aware`, the DP controller's
+  rule too) over an approximate radix tree per worker of the request texts it sent there (a
+  character tree; prompt text, chat messages rendered to one string, or input ids as a string
+  of numbers); load = requests in flight. The text is then inserted into the chosen worker's
+  tree. Each tree holds at most `max_tree_size` characters; past that its least recently used
+  leaves are evicted.
 
 A policy sees only the candidates it is given (the healthy workers not yet tried for this
 request) as objects with `.url` and `.load`; it never does I/O.
@@ -24,6 +20,8 @@ import heapq
 import random
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+from lockstep.utils.cache_aware import CacheAwareRule
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
@@ -162,10 +160,6 @@ class Policy:
         return {"policy": self.name}
 
 
-def _least_loaded(candidates: Sequence[WorkerLike]) -> WorkerLike:
-    return min(candidates, key=lambda w: w.load)
-
-
 class RoundRobin(Policy):
     name = "round_robin"
 
@@ -207,9 +201,7 @@ class CacheAware(Policy):
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
                  balance_rel_threshold: float = 1.0001, max_tree_size: int = 2 ** 24) -> None:
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
+        self.rule = CacheAwareRule(cache_threshold, balance_abs_threshold, balance_rel_threshold)
         self.max_tree_size = max_tree_size
         self.trees: dict[str, RadixTree] = {}
         self.decisions = {"balance": 0, "cache_hit": 0, "cache_miss": 0}
@@ -220,31 +212,14 @@ class CacheAware(Policy):
             tree = self.trees[url] = RadixTree(self.max_tree_size)
         return tree
 
-    def imbalanced(self, candidates: Sequence[WorkerLike]) -> bool:
-        loads = [w.load for w in candidates]
-        hi, lo = max(loads), min(loads)
-        return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
-
     def select(self, candidates: Sequence[WorkerLike], text: str) -> WorkerLike:
-        if len(candidates) > 1 and self.imbalanced(candidates):
-            chosen, why = _least_loaded(candidates), "balance"
-        elif text:
-            best, best_len = None, 0
-            for w in candidates:
-                matched = self.tree(w.url).match(text)
-                if matched > best_len:
-                    best, best_len = w, matched
-            if best is not None and best_len / len(text) > self.cache_threshold:
-                chosen, why = best, "cache_hit"
-            else:
-                chosen = min(candidates, key=lambda w: (self.tree(w.url).size, w.load))
-                why = "cache_miss"
-        else:
-            chosen, why = _least_loaded(candidates), "cache_miss"
+        trees = [self.tree(w.url) for w in candidates]
+        matched = [t.match(text) / len(text) if text else 0.0 for t in trees]
+        i, why = self.rule.choose([w.load for w in candidates], matched, [t.size for t in trees])
         self.decisions[why] += 1
         if text:
-            self.tree(chosen.url).insert(text)
-        return chosen
+            trees[i].insert(text)
+        return candidates[i]
 
     def remove_worker(self, url: str) -> None:
         self.trees.pop(url, None)
@@ -257,9 +232,9 @@ class CacheAware(Policy):
         return {url: tree.size for url, tree in self.trees.items()}
 
     def info(self) -> dict[str, Any]:
-        return {"policy": self.name, "cache_threshold": self.cache_threshold,
-                "balance_abs_threshold": self.balance_abs_threshold,
-                "balance_rel_threshold": self.balance_rel_threshold,
+        return {"policy": self.name, "cache_threshold": self.rule.cache_threshold,
+                "balance_abs_threshold": self.rule.abs_threshold,
+                "balance_rel_threshold": self.rule.rel_threshold,
                 "max_tree_size": self.max_tree_size, "decisions": dict(self.decisions),
                 "tree_sizes": self.tree_sizes()}
 
