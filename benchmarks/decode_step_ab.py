@@ -4,7 +4,7 @@ process: the same decode switches between the two every 2 steps, so both see the
     python benchmarks/decode_step_ab.py BATCH STEPS [gather|mm|argmax|norm]
 
 With a component named, only that one is switched (the others stay new). Prints the median step
-time of each variant. Default model, `--quantization fp16`, in-process scheduler.
+time of each variant. Default model and flags, in-process scheduler.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
     old = {k: (OLD[k] if only in (None, k) else NEW[k]) for k in NEW}
     tok = load_tokenizer(str(resolve_model(None).model_dir))
     prompts = make_prompts(tok, batch, 256, 0)
-    bench = LockstepBench(None, "auto", batch, 256 + steps, 16, 0, "fp16")
+    bench = LockstepBench(None, "auto", batch, 256 + steps, 16, 0)
     bench.run(prompts[:1], 4)  # warm-up
     sched = bench.sched
     sched.step([greedy_req(f"x{i}", p, steps + 4) for i, p in enumerate(prompts)])

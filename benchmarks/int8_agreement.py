@@ -23,8 +23,27 @@ from typing import Any
 import torch
 
 from lockstep.bench.dtype_agreement import greedy, teacher_forced_top
+from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
-from lockstep.layers.quantization import Fp16Linear
+
+
+class Fp16Linear:
+    """float16 weights in FBGEMM's packed form, float32 compute (what `--quantization fp16` was
+    before the block kernels; kept here as this experiment's baseline)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = torch.ops.quantized.linear_prepack_fp16(
+            weight.detach().float().contiguous(), None if bias is None else bias.detach().float())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+
+def float_weight(m: Any) -> torch.Tensor:
+    """A linear's weight as float32, whether it holds floats or GGUF blocks."""
+    if m.parts is None:
+        return m.weight
+    return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in m.parts])
 
 
 class Int8RowScaled:
@@ -115,16 +134,18 @@ def agree(variant: str, alpha: float, full_range: bool) -> None:
                 / act_max.clamp_min(1e-5) ** alpha).clamp_min(1e-5)
 
     quant_linears = variant in ("all", "linears")
-    for m in linears:
+    for m in linears:  # TP 1, no biases in Gemma 3: the matmul is the whole forward
         act = stats[m] if variant == "linears" else None
-        m.packed = Int8RowScaled(m.weight, smooth(m.weight, act), full_range) if quant_linears \
-            else Fp16Linear(m.weight, None)
-        m.weight = None
+        w = float_weight(m)
+        m.forward = Int8RowScaled(w, smooth(w, act), full_range) if quant_linears \
+            else Fp16Linear(w, None)
     head = model.lm_head
     if variant != "linears":
         act = {"all": None, "lmhead": stats.get(head),
                "lmhead-static": (1 + model.norm.weight).abs()}[variant]
-        head.logits_packed = Int8RowScaled(head.weight, smooth(head.weight, act), full_range)
+        w = head.weight if head.table is None else head.table.dequantize()
+        int8_head = Int8RowScaled(w, smooth(w, act), full_range)
+        head.logits = lambda h: int8_head(h)[..., :head.vocab_size]
     low_top = teacher_forced_top(sched, prompts, ref)
     hits = sum(lt[pos][0][1] == t for c, lt in zip(ref, low_top) for pos, t in enumerate(c))
     total = sum(len(c) for c in ref)

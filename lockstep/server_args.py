@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lockstep.function_call.registry import TOOL_CALL_PARSERS
+from lockstep.layers.quantization import QUANTIZATION_METHODS, quantization_problems
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
-QUANTIZATION_METHODS = ("fp16",)
 
 
 def arg(default: Any, help: str, group: str, *, choices: Sequence[str] | None = None,
@@ -43,13 +43,15 @@ class ServerArgs:
         None, "How tool calls are read from the model's replies under tool_choice 'auto' "
               "(SGLang's names). Default: the model family's format (Qwen2/3: qwen25, "
               "Llama: llama3); Gemma 3 has none.", "model", choices=list(TOOL_CALL_PARSERS))
-    dtype: str = arg("auto", "auto: bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32.",
+    dtype: str = arg("auto", "auto: float32 on a CPU (the exact path: block weights, float32 "
+                             "activations, a request's numbers independent of its batch), "
+                             "bfloat16 on CUDA.",
                      "model", choices=["auto", "float32", "bfloat16", "float16"])
     device: str = arg("cpu", "cpu or cuda.", "model", choices=["cpu", "cuda"])
     quantization: str | None = arg(
-        None, "Weight-only quantisation of the linears and the LM head. fp16: float16 weights "
-              "(FBGEMM), float32 compute; CPU with --dtype float32 only. About 2x faster "
-              "decode here; greedy agreement with float32 in docs/benchmarks.md.", "model",
+        None, "Pack a float (safetensors) model's weights into GGML blocks at load, for the CPU "
+              "block kernels (a GGUF is in blocks already): q8_0, q4_0 or fp16 weights, float32 "
+              "activations (--device cpu, --dtype auto or float32).", "model",
         choices=list(QUANTIZATION_METHODS))
     context_length: int | None = arg(None, "Override the model's.", "model")
     # ---- server
@@ -150,9 +152,7 @@ class ServerArgs:
                 problems.append(f"--{name.replace('_', '-')} must be >= 0")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             problems.append("--max-prompt-tokens must be >= 1")
-        if self.quantization and (self.device != "cpu" or self.dtype in ("bfloat16", "float16")):
-            problems.append("--quantization fp16 runs on --device cpu with float32 activations; "
-                            "on a GPU use --dtype float16 or bfloat16 instead")
+        problems += quantization_problems(self.quantization, self.device, self.dtype)
         if not 0 < self.mem_fraction_static < 1:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:

@@ -1,9 +1,10 @@
-"""Model loader: GGUF -> HF conversion against transformers as the oracle, cache, error reporting.
+"""Model loader: a GGUF's config, tokenizer and blocks against transformers as the oracle, cache,
+error reporting.
 
 Tiny GGUFs are written here from tiny random HF models with llama.cpp's own transforms (q/k
-permutation, Gemma's norm + 1) and its tensor names (gguf.get_tensor_name_map), so converting them
-back must reproduce the HF weights. The real default model is checked against transformers'
-`from_pretrained(gguf_file=...)`.
+permutation, Gemma's norm + 1) and its tensor names (gguf.get_tensor_name_map), so loading them
+back (blocks dequantized) must reproduce the HF weights. The real default model is checked
+against transformers' `from_pretrained(gguf_file=...)`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from lockstep.layers.block_weight import BlockWeight
 from lockstep.model_loader import (
     ModelLoadError,
     ModelSource,
@@ -29,7 +32,9 @@ from lockstep.model_loader import (
     iter_weights,
     resolve_model,
 )
+from lockstep.model_loader.layout import TENSOR_INDEX
 from lockstep.model_loader.source import CONVERSION_MARKER
+from lockstep.testing.hf_weights import float_state_dict, hf_float_model
 
 SOURCE_LOGGER = "lockstep.model_loader.source"
 
@@ -115,7 +120,9 @@ def _llama3_rope_freqs(config) -> np.ndarray:
 
 
 def write_gguf(model, arch: str, path: Path, *, quantize: bool = False,
-               chat_template: str | None = None) -> Path:
+               chat_template: str | None = None, qtype_of=None) -> Path:
+    """quantize: matrices in Q8_0, the embedding in F16; qtype_of(gguf name) -> a GGMLQuantizationType
+    (or None: float32) chooses per matrix instead."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
     w.add_name(f"tiny {arch}")
@@ -161,8 +168,12 @@ def write_gguf(model, arch: str, path: Path, *, quantize: bool = False,
             a = _permute(a, cfg.num_key_value_heads)
         if arch == "gemma3" and gname.endswith("norm.weight"):
             a = a + np.float32(1)
+        kind = None
         if quantize and a.ndim == 2:
             kind = QTYPE.F16 if "token_embd" in gname else QTYPE.Q8_0
+        elif qtype_of is not None and a.ndim == 2:
+            kind = qtype_of(gname)
+        if kind is not None:
             w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
         else:
             w.add_tensor(gname, a)
@@ -174,7 +185,9 @@ def write_gguf(model, arch: str, path: Path, *, quantize: bool = False,
 
 
 def load_state(source: ModelSource) -> dict[str, torch.Tensor]:
-    return dict(iter_weights(source.weight_files))
+    """Every weight as float32 (blocks dequantized)."""
+    return {name: w.dequantize() if isinstance(w, BlockWeight) else w
+            for name, w in iter_weights(source)}
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +197,15 @@ def tiny_models() -> dict[str, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory, tiny_models) -> Path:
-    """A converted (so valid) tiny HF directory, for tests that break copies of it."""
+    """A valid tiny HF directory (a GGUF's config and tokenizer, its weights as float
+    safetensors), for tests that break copies of it."""
     root = tmp_path_factory.mktemp("tiny_llama")
     gguf_path = write_gguf(tiny_models["llama"], "llama", root / "tiny-llama.gguf")
-    return resolve_model(str(gguf_path), cache_dir=root / "cache").model_dir
+    entry = resolve_model(str(gguf_path), cache_dir=root / "cache").model_dir
+    hf_dir = root / "hf"
+    shutil.copytree(entry, hf_dir, ignore=shutil.ignore_patterns(TENSOR_INDEX, CONVERSION_MARKER))
+    save_file(float_state_dict(entry), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    return hf_dir
 
 
 def copy_dir(src: Path, dst: Path) -> Path:
@@ -233,8 +251,8 @@ def test_tiny_gguf_converts_back_to_hf_weights(arch, tiny_models, tmp_path):
         # Gemma norms went through (w + 1) - 1 in float32: equal to within rounding.
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
 
-    # End to end: transformers loads the directory and computes the original model's logits.
-    converted = AutoModelForCausalLM.from_pretrained(str(source.model_dir), dtype=torch.float32)
+    # End to end: the oracle's HF model of the entry computes the original model's logits.
+    converted = hf_float_model(source.model_dir)
     ids = torch.tensor([[1, 10, 200, 7, 42, 99, 150, 3, 60, 61, 62, 63]])
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
@@ -267,15 +285,19 @@ def test_llama3_rope_recovered_from_rope_freqs(tiny_models, tmp_path):
     assert "rope_freqs.weight" not in load_state(source)
 
 
-def test_sharded_output_loads(tiny_models, tmp_path, monkeypatch):
-    monkeypatch.setattr(gguf_loader, "MAX_SHARD_BYTES", 64 * 1024)
-    gguf_path = write_gguf(tiny_models["qwen2"], "qwen2", tmp_path / "s.gguf")
+def test_cache_keeps_the_gguf_blocks_not_floats(tiny_models, tmp_path):
+    """The cache entry holds no weights; the matrices are the GGUF's own bytes, memory-mapped."""
+    gguf_path = write_gguf(tiny_models["qwen2"], "qwen2", tmp_path / "s.gguf", quantize=True)
     source = resolve_model(str(gguf_path), cache_dir=tmp_path / "cache")
-    assert len(source.weight_files) > 1
-    assert (source.model_dir / "model.safetensors.index.json").is_file()
-    got = load_state(source)
-    assert len(got) == len(tiny_models["qwen2"].state_dict()) - 1  # lm_head is tied
-    AutoModelForCausalLM.from_pretrained(str(source.model_dir))
+    assert source.gguf_file == gguf_path and source.weight_files == ()
+    assert source.model_dir.name.endswith("-blocks")  # never a float (format 1) entry's name
+    assert not list(source.model_dir.glob("*.safetensors"))
+    file_bytes = gguf_path.read_bytes()
+    weights = dict(iter_weights(source))
+    w = weights["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(w, BlockWeight) and w.qtype == "Q8_0" and w.shape == (64, 128)
+    assert w.blocks.numpy().tobytes() in file_bytes
+    assert isinstance(weights["model.norm.weight"], torch.Tensor)
 
 
 # --------------------------------------------------------------------------- cache
@@ -293,7 +315,7 @@ def test_cache_reuse_logs_and_layout(tiny_models, tmp_path, caplog):
         second = resolve_model(str(gguf_path), cache_dir=cache)
         assert "loaded from cache in" in caplog.text and "converted in" not in caplog.text
     assert first == second
-    assert first.model_dir == cache / hashlib.sha256(gguf_path.read_bytes()).hexdigest()[:16]
+    assert first.model_dir == cache / f"{hashlib.sha256(gguf_path.read_bytes()).hexdigest()[:16]}-blocks"
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name]
 
     # Same path, new content: a new cache entry, never the stale one.
@@ -341,7 +363,7 @@ def test_damaged_cache_is_rebuilt(tiny_models, tmp_path, caplog):
     gguf_path = write_gguf(tiny_models["qwen2"], "qwen2", tmp_path / "d.gguf")
     cache = tmp_path / "cache"
     source = resolve_model(str(gguf_path), cache_dir=cache)
-    (source.model_dir / "model.safetensors").write_bytes(b"\0" * 100)
+    (source.model_dir / TENSOR_INDEX).write_bytes(b"\0" * 100)
     with caplog.at_level(logging.WARNING, logger=SOURCE_LOGGER):
         again = resolve_model(str(gguf_path), cache_dir=cache)
     assert "damaged cache entry" in caplog.text
@@ -451,7 +473,7 @@ def test_valid_hf_dir(tiny_llama_dir, tmp_path):
     assert source.model_dir == d and source.origin == str(d)
     assert source.weight_files == (d / "model.safetensors",)
     assert source.chat_template is None
-    names = [name for name, _ in iter_weights(source.weight_files)]
+    names = [name for name, _ in iter_weights(source)]
     assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
 
 
@@ -506,14 +528,15 @@ def test_default_config(default_source):
     }
     assert cfg["rms_norm_eps"] == 1e-6 and cfg["tie_word_embeddings"] is True
     assert default_source.chat_template is None
-    assert default_source.weight_files == (default_source.model_dir / "model.safetensors",)
+    assert default_source.gguf_file == Path(default_source.origin)
 
 
 @pytest.mark.real_model
 def test_default_tensors_match_transformers_gguf(default_source, oracle):
     expected = oracle[0].state_dict()
     seen = set()
-    for name, tensor in iter_weights(default_source.weight_files):
+    for name, weight in iter_weights(default_source):
+        tensor = weight.dequantize() if isinstance(weight, BlockWeight) else weight
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor, expected[name]), name
         seen.add(name)
@@ -531,7 +554,7 @@ def test_default_tokenizer_matches_transformers_gguf(default_source, oracle):
 
 @pytest.mark.real_model
 def test_default_generation_matches_transformers_gguf(default_source, oracle):
-    model = AutoModelForCausalLM.from_pretrained(str(default_source.model_dir), dtype=torch.float32)
+    model = hf_float_model(default_source.model_dir)
     tok = AutoTokenizer.from_pretrained(str(default_source.model_dir))
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)

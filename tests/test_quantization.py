@@ -1,29 +1,36 @@
-"""`--quantization fp16`: float16 weights in FBGEMM's packed form, float32 compute. The oracle
-is HF transformers with the same weights rounded to float16, so tokens must match it as exactly
-as the float32 path matches plain HF."""
+"""`--quantization`: a float checkpoint's linears, embedding table and LM head packed into GGML
+blocks at load (q8_0, q4_0, fp16 = F16 blocks), float32 activations. The oracle is HF
+transformers with the same weights packed and unpacked, so tokens must match it as exactly as
+the float32 path matches plain HF."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lockstep.entrypoints.engine import launch_subprocesses
+from lockstep.kernels import dequantize, quantize
+from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
+from lockstep.layers.quantization import QUANTIZATION_TYPES
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
-from lockstep.testing.oracle import greedy_matches, hf_fp16_weight_model, hf_greedy
+from lockstep.testing.oracle import greedy_matches, hf_greedy, hf_packed_weight_model
 from lockstep.testing.tiny_models import TINY_ARCHS
 from tests.conftest import tiny_prompts
 
 MAX_NEW = 24
 
 
+@pytest.mark.parametrize("method", ["q8_0", "q4_0", "fp16"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_fp16_weights_match_an_oracle_with_the_same_rounding(arch, tiny_model_dirs):
+def test_packed_weights_match_an_oracle_with_the_same_rounding(arch, method, tiny_model_dirs):
     model_dir = tiny_model_dirs[arch]
-    prompts = tiny_prompts(model_dir, 4, seed=5)
-    ref = hf_greedy(model_dir, prompts, MAX_NEW, model=hf_fp16_weight_model(model_dir))
-    sched = make_scheduler(model_dir, max_total_tokens=4096, quantization="fp16")
+    prompts = tiny_prompts(model_dir, 3, seed=5)
+    oracle = hf_packed_weight_model(model_dir, QUANTIZATION_TYPES[method])
+    ref = hf_greedy(model_dir, prompts, MAX_NEW, model=oracle)
+    sched = make_scheduler(model_dir, max_total_tokens=4096, quantization=method)
     reqs = [greedy_req(f"r{i}", p, MAX_NEW, return_logprob=True) for i, p in enumerate(prompts)]
     got = run_to_completion(sched, reqs)
     for i, r in enumerate(ref):
@@ -33,25 +40,42 @@ def test_fp16_weights_match_an_oracle_with_the_same_rounding(arch, tiny_model_di
     assert len({t for r in ref for t in r.output_ids}) >= 5, "degenerate oracle output proves nothing"
 
 
-def test_every_linear_and_the_lm_head_are_packed_and_float32_linears_dropped(tiny_model_dirs):
-    sched = make_scheduler(tiny_model_dirs["qwen2"], max_total_tokens=1024, quantization="fp16")
-    model = sched.worker.runner.model
-    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    assert linears and all(m.packed is not None and m.weight is None for m in linears)
-    head = model.lm_head
-    assert isinstance(head, VocabParallelEmbedding) and head.logits_packed is not None
-    names = {n for n, _ in model.named_parameters()}
-    assert not any(n.endswith(("proj.weight", "qkv_proj.bias")) for n in names)
+def _effective(parts) -> torch.Tensor:
+    return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
+
+
+def test_every_linear_and_the_table_are_packed(tiny_model_dirs):
+    """Each weight is the q8_0 blocks of the float one: kept as blocks where a kernel serves
+    Q8_0, else their dequantized values; never the float32 original."""
+    model_dir = tiny_model_dirs["qwen2"]
+    plain = make_scheduler(model_dir, max_total_tokens=1024).worker.runner.model
+    packed = make_scheduler(model_dir, max_total_tokens=1024, quantization="q8_0").worker.runner.model
+    originals = dict(plain.named_modules())
+    checked = 0
+    for name, m in packed.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            w = originals[name].weight
+            got = m.weight if m.parts is None else _effective(m.parts)
+        elif isinstance(m, VocabParallelEmbedding):
+            w = originals[name].weight
+            assert m.table is not None and m.table.qtype == "Q8_0" and m.weight is None
+            got = m.table.dequantize()
+        else:
+            continue
+        assert torch.equal(got, dequantize("Q8_0", quantize("Q8_0", w), w.shape[1])), name
+        assert not torch.equal(got, w), name
+        checked += 1
+    assert checked == 1 + 4 * 4  # the tied table, then qkv / o / gate_up / down of 4 layers
 
 
 def test_quantized_tp2_processes_match_a_quantized_single_rank(tiny_model_dirs):
     model_dir = tiny_model_dirs["llama"]
     prompts = tiny_prompts(model_dir, 4, seed=8)
     single = run_to_completion(
-        make_scheduler(model_dir, max_total_tokens=2048, quantization="fp16"),
+        make_scheduler(model_dir, max_total_tokens=2048, quantization="q8_0"),
         [greedy_req(f"r{i}", p, 12) for i, p in enumerate(prompts)])
     args = ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=2048,
-                      tp_size=2, quantization="fp16")
+                      tp_size=2, quantization="q8_0")
     launched = launch_subprocesses(args)
     try:
         assert generate_through(launched, prompts, 12) == [single[f"r{i}"].output_ids
@@ -60,7 +84,26 @@ def test_quantized_tp2_processes_match_a_quantized_single_rank(tiny_model_dirs):
         launched.shutdown()
 
 
-@pytest.mark.parametrize("changes", [{"device": "cuda"}, {"dtype": "bfloat16"}, {"dtype": "float16"}])
-def test_unsupported_combinations_fail_with_a_clear_message(changes):
-    with pytest.raises(ValueError, match="--quantization fp16"):
-        ServerArgs(quantization="fp16", **changes)
+@pytest.mark.parametrize("changes, says", [
+    ({"device": "cuda"}, "with --device cpu"),
+    ({"dtype": "bfloat16"}, "use --dtype auto or float32 instead of --dtype bfloat16"),
+    ({"dtype": "float16"}, "use --dtype auto or float32 instead of --dtype float16"),
+])
+def test_unsupported_combinations_fail_with_a_clear_message(changes, says):
+    with pytest.raises(ValueError, match="--quantization q8_0") as info:
+        ServerArgs(quantization="q8_0", **changes)
+    assert says in str(info.value)
+
+
+def test_auto_dtype_combines_with_quantization():
+    ServerArgs(quantization="q4_0", dtype="auto")  # auto is float32 on a CPU
+
+
+def test_a_gguf_refuses_quantization_at_start(tmp_path, monkeypatch):
+    from tests.test_loader import tiny_model, write_gguf
+
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = write_gguf(tiny_model("qwen2"), "qwen2", tmp_path / "q.gguf")
+    with pytest.raises(ValueError, match="is a GGUF, its weights are quantized blocks already; "
+                                         "drop --quantization"):
+        make_scheduler(gguf_path, max_total_tokens=1024, quantization="q8_0")

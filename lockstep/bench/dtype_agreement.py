@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lockstep.server_args import QUANTIZATION_METHODS
+from lockstep.layers.quantization import QUANTIZATION_METHODS
 
 
 def _scheduler(model_path: str | None, dtype: str, max_tokens: int, n: int,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lockstep.server_args import QUANTIZATION_METHODS
+from lockstep.layers.quantization import QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class LockstepBench:
         )
         self.sched = create_scheduler(args)
         self.dtype = self.sched.worker.runner.dtype
-        # The dtype column says what the weights are: fp16w = float16 weights, float32 compute.
-        self.dtype_label = "fp16w" if quantization == "fp16" else _dtype_name(self.dtype)
+        # The dtype column says what the weights are: q8_0w = q8_0 blocks, float32 compute.
+        self.dtype_label = f"{quantization}w" if quantization else _dtype_name(self.dtype)
         self.worker_time = 0.0
         worker = self.sched.worker
         inner = worker.forward_batch_generation
@@ -151,9 +151,10 @@ class LockstepBench:
 
 class HFBench:
     def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM
+        from lockstep.testing.hf_weights import hf_float_model
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        # A GGUF's cache entry holds no float weights: HF runs on its blocks dequantized.
+        self.model = hf_float_model(model_dir, dtype, attn_implementation="sdpa")
         self.dtype = dtype
 
     @torch.inference_mode()

@@ -1,4 +1,9 @@
-"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary.
+
+A GGUF's table stays in its blocks: a lookup gathers the blocks of the wanted rows and
+dequantizes only those, so no float copy of the table exists; a tied LM head multiplies by the
+same blocks (or, where no kernel serves their type, by floats dequantized once at load).
+"""
 
 from __future__ import annotations
 
@@ -6,46 +11,85 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep import kernels
 from lockstep.distributed.parallel_state import ParallelGroup
+from lockstep.layers.block_weight import BlockWeight, Part, matmul_parts, pack, settle
 from lockstep.layers.linear import _copy, _param
-from lockstep.layers.quantization import PackedLinear, pack
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int, tp: ParallelGroup, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden: int, tp: ParallelGroup, dtype: torch.dtype,
+                 serves_logits: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
+        self.hidden = hidden
+        self.serves_logits = serves_logits  # the LM head too (tied, or ParallelLMHead)
         # Pad so the vocabulary splits evenly; padded rows are zero and never sampled.
         self.padded_vocab = -(-vocab_size // tp.size) * tp.size
         self.start, self.end = tp.shard_range(self.padded_vocab)
-        self.weight = _param((self.end - self.start, hidden), dtype, self.weight_loader)
-        # --quantization: a packed copy for logits; lookups keep the float32 rows.
-        self.logits_packed: PackedLinear | None = None
+        self.weight: nn.Parameter | None = _param((self.end - self.start, hidden), dtype,
+                                                  self.weight_loader)
+        self._dtype, self._device = dtype, self.weight.device
+        self.table: BlockWeight | None = None  # lookups read these blocks when set
+        self.logits_parts: list[Part] | None = None  # what logits multiply by, with `table`
 
-    def pack_logits_weights(self, method: str) -> None:
-        self.logits_packed = pack(method, self.weight)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockWeight) -> None:
+        if isinstance(loaded, BlockWeight):
+            local = loaded.rows(self.start, min(self.end, self.vocab_size))
+            self.table = local.padded_rows(self.end - self.start)
+            return
         shard = loaded[self.start:min(self.end, self.vocab_size)]
         param.data.zero_()
         _copy(param.data[: shard.shape[0]], shard, "vocab-parallel embedding")
 
+    def pack(self, qtype: str, name: str) -> None:
+        """--quantization: the float table becomes `qtype` blocks (before finish_loading)."""
+        if self.weight is not None and self.table is None:
+            self.table = pack(self.weight, qtype, name)
+
+    def finish_loading(self) -> list[str]:
+        """Settle a block table; returns the block types dequantized here (no kernel)."""
+        if self.table is None:
+            return []
+        if self._dtype != torch.float32 or self._device.type != "cpu":
+            # Lookups in another dtype or on a GPU: one float table, as a float checkpoint has.
+            self.weight = nn.Parameter(self.table.dequantize().to(self._device, self._dtype),
+                                       requires_grad=False)
+            self.table = None
+            return []
+        self.weight = None
+        if not self.serves_logits:
+            return []
+        self.logits_parts, dequantized = settle([self.table], self._dtype, self._device)
+        return dequantized
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         mine = (ids >= self.start) & (ids < self.end)
-        out = F.embedding(torch.where(mine, ids - self.start, 0), self.weight)
+        out = self._rows(torch.where(mine, ids - self.start, 0))
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
 
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for this rank's vocab slice, gathered so every rank sees the full row."""
+    def _rows(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            return F.embedding(local_ids, self.weight)
+        t = self.table
+        out = kernels.embedding(local_ids.reshape(-1), t.blocks, t.qtype, t.n_cols)
+        return out.view(*local_ids.shape, self.hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.logits_packed is not None:
-            local = self.logits_packed(hidden)
+        """Logits for this rank's vocab slice, gathered so every rank sees the full row."""
+        if self.logits_parts is not None:
+            local = matmul_parts(hidden, self.logits_parts)
         else:
             local = F.linear(hidden, self.weight)
         return self.tp.all_gather(local, dim=-1)[..., : self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head: the same vocab-sliced weight, used only for logits."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__(vocab_size, hidden, tp, dtype, serves_logits=True)

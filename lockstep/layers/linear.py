@@ -1,16 +1,24 @@
 """Tensor-parallel linear layers. Each parameter carries a `weight_loader` that takes the full
-checkpoint tensor and copies in only this rank's shard, so a rank never holds more than its part."""
+checkpoint tensor and keeps only this rank's shard, so a rank never holds more than its part.
+
+A float checkpoint's weight is copied into the float parameter. A GGUF's weight arrives as a
+`BlockWeight` and stays in its blocks: the loader keeps this rank's rows (column-parallel) or whole
+blocks of the input dimension (row-parallel), one part per checkpoint tensor, and
+`finish_loading` settles them (kernel or dequantized floats, see block_weight.settle). Fused
+layers (q/k/v, gate/up) whose parts have different block types keep one part each and
+concatenate the outputs.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lockstep.distributed.parallel_state import ParallelGroup
-from lockstep.layers.quantization import PackedLinear, pack
+from lockstep.layers.block_weight import BlockWeight, Part, matmul_parts, pack, settle
 
 WeightLoader = Callable[..., None]
 
@@ -27,32 +35,77 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(nn.Module):
+class _BlockParts(nn.Module):
+    """The weight of a linear: the float parameter `weight`, or after `finish_loading` of block
+    parts, `parts` (and `weight` None)."""
+
+    weight: nn.Parameter | None
+    part_keys: tuple[Hashable, ...] = (0,)  # checkpoint tensors in output-row order
+
+    def _init_parts(self) -> None:
+        assert self.weight is not None
+        self._dtype, self._device = self.weight.dtype, self.weight.device
+        self.parts: list[Part] | None = None
+        self._loaded: dict[Hashable, BlockWeight] = {}
+
+    def _check_part(self, key: Hashable, part: BlockWeight, rows: int, cols: int) -> None:
+        if part.shape != (rows, cols):
+            raise ValueError(f"{part.name}: shard {part.shape} does not fit ({rows}, {cols})")
+        self._loaded[key] = part
+
+    def pack(self, qtype: str, name: str) -> None:
+        """--quantization: this float weight becomes `qtype` blocks (before finish_loading)."""
+        if self.weight is not None and not self._loaded:
+            self._loaded = {self.part_keys[0]: pack(self.weight, qtype, name)}
+            self.part_keys = self.part_keys[:1]
+
+    def finish_loading(self) -> list[str]:
+        """Settle loaded block parts; returns the block types dequantized here (no kernel)."""
+        if not self._loaded:
+            return []
+        missing = [k for k in self.part_keys if k not in self._loaded]
+        if missing:
+            raise KeyError(f"no checkpoint tensor for part(s) {missing} of a fused linear")
+        parts, dequantized = settle([self._loaded[k] for k in self.part_keys],
+                                    self._dtype, self._device)
+        self._loaded = {}
+        if len(parts) == 1 and isinstance(parts[0], torch.Tensor):
+            self.weight = nn.Parameter(parts[0], requires_grad=False)
+        else:
+            self.weight = None
+            self.parts = parts
+        return dequantized
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.parts is None:
+            return F.linear(x, self.weight, bias)
+        y = matmul_parts(x, self.parts)
+        return y if bias is None else y + bias
+
+
+class ColumnParallelLinear(_BlockParts):
     """y = x W^T with W split by output rows; the output stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelGroup,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.tp = tp
+        self.in_features = in_features
         self.out_local = out_features // tp.size
         tp.shard_range(out_features)  # validates divisibility
         self.weight = _param((self.out_local, in_features), dtype, self.weight_loader)
         self.bias = _param((self.out_local,), dtype, self.weight_loader) if bias else None
-        self.packed: PackedLinear | None = None  # --quantization: replaces weight and bias
+        self._init_parts()
 
-    def pack_weights(self, method: str) -> None:
-        """After loading: keep the weight only in `method`'s packed form (see quantization.py)."""
-        self.packed = pack(method, self.weight, self.bias)
-        self.weight = self.bias = None
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockWeight) -> None:
         start, end = self.tp.shard_range(loaded.shape[0])
+        if isinstance(loaded, BlockWeight):
+            self._check_part(0, loaded.rows(start, end), self.out_local, self.in_features)
+            return
         _copy(param, loaded[start:end], "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed(x)
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -62,17 +115,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  dtype: torch.dtype) -> None:
         super().__init__(in_features, sum(out_sizes), bias, tp, dtype)
         self.out_sizes = list(out_sizes)
+        self.part_keys = tuple(range(len(out_sizes)))
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockWeight,
+                      shard_id: int = 0) -> None:
         offset = sum(self.out_sizes[:shard_id]) // self.tp.size
         size = self.out_sizes[shard_id] // self.tp.size
         start, end = self.tp.shard_range(loaded.shape[0])
+        if isinstance(loaded, BlockWeight):
+            self._check_part(shard_id, loaded.rows(start, end), size, self.in_features)
+            return
         _copy(param.data.narrow(0, offset, size), loaded[start:end], f"merged shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection. Query heads split across ranks; KV heads split too, or replicated
     when there are more ranks than KV heads (each rank keeps the KV head its queries use)."""
+
+    part_keys = ("q", "k", "v")
 
     def __init__(self, hidden: int, head_dim: int, n_heads: int, n_kv_heads: int, bias: bool,
                  tp: ParallelGroup, dtype: torch.dtype) -> None:
@@ -92,7 +152,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             return self.tp.rank * self.n_kv_local
         return self.tp.rank * self.n_kv_total // self.tp.size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockWeight,
+                      shard_id: str = "q") -> None:
         d = self.head_dim
         q_size, kv_size = self.n_heads_local * d, self.n_kv_local * d
         if shard_id == "q":
@@ -100,6 +161,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             start, size = self.kv_head_start() * d, kv_size
             dst = q_size if shard_id == "k" else q_size + kv_size
+        if isinstance(loaded, BlockWeight):
+            self._check_part(shard_id, loaded.rows(start, start + size), size, self.in_features)
+            return
         _copy(param.data.narrow(0, dst, size), loaded[start:start + size], f"qkv shard {shard_id}")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,7 +171,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.n_heads_local * d, self.n_kv_local * d, self.n_kv_local * d], -1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_BlockParts):
     """y = x W^T with W split by input columns; partial sums are all-reduced across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelGroup,
@@ -115,18 +179,19 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         tp.shard_range(in_features)
-        self.weight = _param((out_features, in_features // tp.size), dtype, self.weight_loader)
+        self.out_features = out_features
+        self.in_local = in_features // tp.size
+        self.weight = _param((out_features, self.in_local), dtype, self.weight_loader)
         self.bias: nn.Parameter | None = (
             _param((out_features,), dtype, self.bias_loader) if bias else None
         )
-        self.packed: PackedLinear | None = None  # --quantization: replaces weight
+        self._init_parts()
 
-    def pack_weights(self, method: str) -> None:
-        # Without the bias: it is added once after the reduction, not by every rank.
-        self.packed = pack(method, self.weight)
-        self.weight = None
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockWeight) -> None:
+        if isinstance(loaded, BlockWeight):
+            part = loaded.shard_cols(self.tp.rank, self.tp.size)
+            self._check_part(0, part, self.out_features, self.in_local)
+            return
         start, end = self.tp.shard_range(loaded.shape[1])
         _copy(param, loaded[:, start:end], "row-parallel weight")
 
@@ -134,7 +199,6 @@ class RowParallelLinear(nn.Module):
         _copy(param, loaded, "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
-        y = self.tp.all_reduce(local)
         # The bias is added once, after the reduction, not once per rank.
+        y = self.tp.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias

@@ -1,77 +1,36 @@
-"""Weight-only quantisation of the linears and the LM head (`--quantization`).
+"""`--quantization`: pack a float (safetensors) checkpoint's weights into GGML blocks at load, so
+it runs on the same block kernels as a GGUF (`lockstep.kernels`, see block_weight.py).
 
-Each method packs a weight once, after loading, into FBGEMM's layout; the float32 copies of the
-linears are dropped. The embedding table keeps its float32 rows for lookups; a tied LM head gets a
-packed copy next to it. Activations stay float32 between layers.
-
-`fp16`: float16 weights multiplied by float32 activations in float32
-(`quantized.linear_dynamic_fp16`; the conversion happens inside the kernel). On a CPU a decode
-step is bound by the bytes of weight it reads, so halving them pays directly. The error is
-float16's rounding of each weight (relative 2^-11).
-
-int8 (FBGEMM's integer matmul, with activations scaled per row so that no request's numbers
-depend on its batch neighbours) was measured and left out: 1.1-1.4x faster than fp16, but greedy
-agreement with float32 fell to 84-93% on the default model (docs/benchmarks.md).
+Every linear, the embedding table and the LM head are packed; norms and biases stay float. The
+kernels take float32 activations and run on the CPU, so the flag needs both; a GGUF's weights are
+blocks already. Imported by server_args for its choices: keep this module free of torch.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
-from torch import nn
-
-from lockstep.server_args import QUANTIZATION_METHODS
-
-
-class PackedLinear(Protocol):
-    """A weight in some method's packed form, called like `F.linear(x, weight, bias)`."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+# --quantization METHOD -> the GGML block type the weights are packed into.
+QUANTIZATION_TYPES = {
+    "q8_0": "Q8_0",  # int8 per block of 32 with a float16 scale: 8.5 bits a weight
+    "q4_0": "Q4_0",  # 4 bits per block of 32 with a float16 scale: 4.5 bits a weight
+    "fp16": "F16",  # float16 weights, float32 compute
+}
+QUANTIZATION_METHODS = tuple(QUANTIZATION_TYPES)
 
 
-class Fp16Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.packed = torch.ops.quantized.linear_prepack_fp16(
-            weight.detach().float().contiguous(), None if bias is None else bias.detach().float())
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-
-
-_METHODS: dict[str, type[PackedLinear]] = {"fp16": Fp16Linear}
-
-
-def pack(method: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    return _METHODS[method](weight, bias)
-
-
-def check_supported(method: str, device: str, dtype: torch.dtype) -> None:
-    """Raise a clear error where `method` cannot run, instead of silently not quantising."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"--quantization must be one of {QUANTIZATION_METHODS}, not {method!r}")
+def quantization_problems(method: str | None, device: str, dtype: str) -> list[str]:
+    """What is wrong with `--quantization method` beside --device / --dtype (names as on the
+    command line), each saying what to change; empty when they combine."""
+    if method is None:
+        return []
+    if method not in QUANTIZATION_TYPES:
+        return [f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, not {method!r}"]
+    problems = []
     if device != "cpu":
-        raise ValueError(f"--quantization {method} is a CPU kernel (FBGEMM); on a GPU serve with "
-                         "--dtype float16 or bfloat16 instead")
-    if dtype != torch.float32:
-        raise ValueError(f"--quantization {method} needs float32 activations (--dtype float32), "
-                         f"not {dtype}")
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        raise ValueError(f"--quantization {method} needs a PyTorch build with FBGEMM (x86 CPUs)")
-
-
-def quantize_model(model: nn.Module, method: str) -> int:
-    """Pack every linear and the LM head of `model` (already loaded); returns how many."""
-    from lockstep.layers.embedding import VocabParallelEmbedding
-    from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    lm_head = getattr(model, "lm_head", None)
-    count = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.pack_weights(method)
-            count += 1
-        elif isinstance(module, VocabParallelEmbedding) and module is lm_head:
-            module.pack_logits_weights(method)
-            count += 1
-    return count
+        problems.append(f"--quantization {method} packs weights for the CPU kernels: serve it "
+                        "with --device cpu, or drop --quantization and use --dtype float16 or "
+                        "bfloat16 on a GPU")
+    if dtype not in ("auto", "float32"):
+        problems.append(f"--quantization {method} runs float32 activations on the packed "
+                        f"weights: use --dtype auto or float32 instead of --dtype {dtype}, or "
+                        "drop --quantization")
+    return problems

@@ -475,7 +475,6 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     and by in-process tests alike."""
     from lockstep.configs.model_config import ModelConfig
     from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE
-    from lockstep.layers.quantization import check_supported, quantize_model
     from lockstep.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
     from lockstep.model_loader import resolve_model
     from lockstep.model_loader.stop_tokens import stop_token_ids
@@ -486,14 +485,10 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
         device=args.device, dtype=resolve_dtype(args.dtype, args.device),
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, context_length=args.context_length,
-        local_ranks=local_ranks,
+        local_ranks=local_ranks, quantization=args.quantization,
     )
     torch.manual_seed(args.random_seed)
-    runner = ModelRunner(model_cfg, source.weight_files, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
-    if args.quantization:
-        check_supported(args.quantization, args.device, runner_cfg.dtype)
-        n = quantize_model(runner.model, args.quantization)
-        logger.info("--quantization %s: %d linears packed", args.quantization, n)
+    runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
     worker = TpModelWorker(runner, args.micro_batches)
     return Scheduler(args, worker, stop_token_ids(source.model_dir, model_cfg.eos_token_ids),
                      strict_integrity)

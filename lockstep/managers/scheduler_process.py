@@ -26,6 +26,7 @@ from lockstep.distributed.parallel_state import ParallelGroup
 from lockstep.managers.io_struct import BatchTokenIDOut, LoadReport, decode, encode
 from lockstep.managers.scheduler import Scheduler, create_scheduler
 from lockstep.managers.watchdog import ForwardProgressWatchdog
+from lockstep.model_executor.weight_setup import weight_bytes
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
 
@@ -72,7 +73,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
         sys.exit(1)
     pipe.send({"status": "ready", "max_total_num_tokens": sched.max_total_tokens,
                "context_len": sched.context_len, "tp_rank": tp_rank, "pp_rank": pp_rank,
-               "param_bytes": parameter_bytes(sched.worker.runner.model)})
+               "param_bytes": weight_bytes(sched.worker.runner.model)})
     try:
         event_loop(args, sched, world_group, recv, send, load)
     except Exception:  # noqa: BLE001
@@ -80,16 +81,6 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
         # Exit non-zero: the launcher's child watch brings the whole server down. SGLang sends
         # SIGQUIT to the parent instead, which would kill a user's process hosting an Engine.
         sys.exit(1)
-
-
-def parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """This rank's own parameter bytes: what TP sharding is measured by."""
-    out: dict[str, int] = {"total": 0}
-    for name, p in model.named_parameters():
-        kind = name.split(".")[-2] if "layers." in name else name.split(".")[0]
-        out[kind] = out.get(kind, 0) + p.numel() * p.element_size()
-        out["total"] += p.numel() * p.element_size()
-    return out
 
 
 def recv_requests(sock: zmq.Socket | None, block: bool) -> list[Any]:

@@ -1,9 +1,12 @@
-"""Convert a GGUF checkpoint into an HF-format model directory.
+"""Describe a GGUF checkpoint once, for every later start: an HF config, a fast tokenizer and a
+tensor index.
 
-The output holds what transformers' own GGUF loader builds in memory (same tensor names, the same
-float32 values from `gguf.quants.dequantize`, llama.cpp's tensor transforms undone), written as
-config.json + safetensors + a fast tokenizer, so `from_pretrained(dir)` loads it directly. Where the
-GGUF leaves a hyper-parameter implicit we use the value llama.cpp hard-codes for that family.
+The weights stay in the GGUF: `gguf_tensors.json` maps each HF parameter name to its bytes in the
+file (offset, length, GGML type, HF shape) and the transform that undoes llama.cpp's (Gemma's
+norm + 1, Llama's q/k row permutation), and `weights.py` reads them by memory map at load, in
+their quantized blocks. Parsing the GGUF itself (its 262k-entry vocabulary takes gguf ~17 s) is
+paid once, here. Where the GGUF leaves a hyper-parameter implicit we use the value llama.cpp
+hard-codes for that family.
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +21,13 @@ import numpy as np
 import torch
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
-from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
-from lockstep.model_loader.source import ModelLoadError
+from lockstep.model_loader.layout import TENSOR_INDEX, ModelLoadError
 from lockstep.model_loader.stop_tokens import END_OF_TURN_TOKENS
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
-# float32 output of a big model must not have to fit in memory at once.
-MAX_SHARD_BYTES = 4 << 30
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -80,15 +77,19 @@ def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, generation_config.json, safetensors and tokenizer files into `out_dir`."""
+    """Write config.json, generation_config.json, the tensor index and tokenizer files into
+    `out_dir`."""
     reader = _open(gguf_path)
     meta = _Metadata(reader, gguf_path)
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors)
     logger.info(
-        "converting %s (%s, %d tensors) into %s", gguf_path, meta.arch, len(tensors), out_dir
+        "indexing %s (%s, %d tensors) into %s", gguf_path, meta.arch, len(tensors), out_dir
     )
-    _write_weights(_hf_tensors(reader, meta, config), _expected_shapes(config), gguf_path, out_dir)
+    index = _tensor_index(reader, meta, config)
+    _check_shapes(index, _expected_shapes(config), gguf_path)
+    (out_dir / TENSOR_INDEX).write_text(json.dumps(
+        {"gguf_size": gguf_path.stat().st_size, "tensors": index}, indent=1) + "\n")
     config.save_pretrained(str(out_dir))
     _write_tokenizer(gguf_path, meta, config, out_dir)
 
@@ -279,35 +280,32 @@ def _gemma3_extras(meta: _Metadata, common: dict[str, Any]) -> dict[str, Any]:
     return extras
 
 
-def _hf_tensors(
-    reader: GGUFReader, meta: _Metadata, config: Any
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensor_index(reader: GGUFReader, meta: _Metadata, config: Any) -> dict[str, dict[str, Any]]:
+    """{HF name: where its bytes are in the GGUF, their GGML type, the HF shape, the transform}."""
     arch, path = meta.arch, meta.path
-    for t in tqdm(reader.tensors, desc=f"Converting {path.name}", unit="tensor"):
+    index: dict[str, dict[str, Any]] = {}
+    for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # folded into rope_parameters by build_config
             continue
         hf_name = hf_tensor_name(arch, t.name)
         if hf_name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {arch} model")
-        try:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except Exception as e:
-            raise ModelLoadError(
-                f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}"
-            ) from e
+        transform: list[Any] | None = None
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             # Gemma computes x * (1 + w); llama.cpp stores 1 + w, HF stores w.
-            w = w - np.float32(1)
+            transform = ["minus_one"]
         elif arch == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             q = ".q_proj." in hf_name
-            w = _unpermute(w, config.num_attention_heads if q else config.num_key_value_heads)
-        yield hf_name, torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
-
-
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    # llama.cpp reorders each head's rows from HF's half-split rotary layout to interleaved pairs.
-    grouped = w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(w.shape)
+            transform = ["unpermute", config.num_attention_heads if q else config.num_key_value_heads]
+        index[hf_name] = {
+            "gguf": t.name,
+            "qtype": t.tensor_type.name,
+            "shape": [int(d) for d in reversed(t.shape)],  # ggml lists dims fastest-first
+            "offset": int(t.data_offset),
+            "nbytes": int(t.n_bytes),
+            "transform": transform,
+        }
+    return index
 
 
 def _expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
@@ -322,53 +320,19 @@ def _expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _write_weights(
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    expected: dict[str, tuple[int, ...]],
-    gguf_path: Path,
-    out_dir: Path,
+def _check_shapes(
+    index: dict[str, dict[str, Any]], expected: dict[str, tuple[int, ...]], gguf_path: Path
 ) -> None:
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = total_bytes = 0
-    files: list[Path] = []
-    shard_of: dict[str, int] = {}
-
-    def flush() -> None:
-        files.append(out_dir / f".shard-{len(files):05d}.safetensors")
-        save_file(shard, str(files[-1]), metadata={"format": "pt"})
-        shard.clear()
-
-    for name, tensor in tensors:
+    for name, entry in index.items():
         want = expected.get(name)
-        if want is None or tuple(tensor.shape) != want:
+        if want is None or tuple(entry["shape"]) != want:
             raise ModelLoadError(
-                f"{gguf_path}: tensor {name} has shape {tuple(tensor.shape)}, "
+                f"{gguf_path}: tensor {name} has shape {tuple(entry['shape'])}, "
                 f"the model expects {want}"
             )
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and shard_bytes + nbytes > MAX_SHARD_BYTES:
-            flush()
-            shard_bytes = 0
-        shard[name] = tensor
-        shard_of[name] = len(files)
-        shard_bytes += nbytes
-        total_bytes += nbytes
-    missing = sorted(set(expected) - set(shard_of))
+    missing = sorted(set(expected) - set(index))
     if missing:
         raise ModelLoadError(f"{gguf_path}: missing tensors {missing[:5]} ({len(missing)} in all)")
-    flush()
-    # HF's names: one model.safetensors, or numbered shards plus an index.
-    if len(files) == 1:
-        os.replace(files[0], out_dir / "model.safetensors")
-        return
-    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    for f, final in zip(files, names):
-        os.replace(f, out_dir / final)
-    index = {
-        "metadata": {"total_size": total_bytes},
-        "weight_map": {name: names[i] for name, i in sorted(shard_of.items())},
-    }
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _write_tokenizer(gguf_path: Path, meta: _Metadata, config: Any, out_dir: Path) -> None:

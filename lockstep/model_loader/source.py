@@ -1,6 +1,7 @@
-"""Turn what the user passed (`--model-path`) into one validated HF-format model directory.
+"""Turn what the user passed (`--model-path`) into one validated model source.
 
-A GGUF file is converted once into ``<cache>/<sha256[:16]>/`` and read from there afterwards; an HF
+A GGUF file is described once into ``<cache>/<sha256[:16]>-blocks/`` (HF config, tokenizer, an index
+of its tensors) and its weights are read from the GGUF itself, in their quantized blocks; an HF
 directory is checked and used in place. Anything wrong with the user's files surfaces as a
 `ModelLoadError` naming the file, so the CLI prints one line instead of a deep traceback.
 """
@@ -21,11 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lockstep.model_loader.layout import TENSOR_INDEX, ModelLoadError
+
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "LOCKSTEP_CACHE_DIR"
 # Bump when the conversion output changes, so caches written by older code get rebuilt.
-CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 2
+# Format 1 wrote float32 safetensors into <sha256[:16]>/; this one keeps the GGUF's blocks.
+_CACHE_SUFFIX = "-blocks"
 CONVERSION_MARKER = "lockstep_conversion.json"
 _HASH_MEMO = "gguf_sha256.json"
 _GGUF_MAGIC = b"GGUF"
@@ -33,17 +38,18 @@ _GGUF_MAGIC = b"GGUF"
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 
 
-class ModelLoadError(Exception):
-    """A model file is missing, truncated, corrupt or unsupported; the message names the file."""
+__all__ = ["ModelLoadError", "ModelSource", "resolve_model"]
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    model_dir: Path  # an HF-format directory: config.json + *.safetensors + tokenizer files
+    model_dir: Path  # config.json + tokenizer files (+ *.safetensors for an HF directory)
     hf_config: dict  # parsed config.json
-    weight_files: tuple[Path, ...]
+    weight_files: tuple[Path, ...]  # safetensors files; empty for a GGUF
     chat_template: str | None  # None if the model has none
     origin: str  # what the user passed (GGUF path or dir)
+    # The GGUF whose tensors model_dir/gguf_tensors.json indexes; None for an HF directory.
+    gguf_file: Path | None = None
 
 
 def default_cache_dir() -> Path:
@@ -88,41 +94,51 @@ def _resolve_gguf(path: Path, origin: str, cache_dir: Path, start: float) -> Mod
     except OSError as e:
         raise ModelLoadError(f"{cache_dir}: cannot create the model cache directory: {e}") from e
     digest = _content_sha256(path, cache_dir)
-    target = cache_dir / digest[:16]
-    cached = _load_cached(target, origin)
+    target = cache_dir / f"{digest[:16]}{_CACHE_SUFFIX}"
+    cached = _load_cached(target, origin, path)
     if cached is not None:
         elapsed = time.perf_counter() - start
         logger.info("%s: loaded from cache in %.2f s (%s)", path, elapsed, target)
         return cached
     with _locked(cache_dir / f".{target.name}.lock") as exclusive:
         # Another process may have finished the conversion while we waited for the lock.
-        cached = _load_cached(target, origin)
+        cached = _load_cached(target, origin, path)
         if cached is None:
             _convert_into(path, digest, target, clean_stale=exclusive)
     if cached is not None:
         elapsed = time.perf_counter() - start
         logger.info("%s: loaded from cache in %.2f s (%s)", path, elapsed, target)
         return cached
-    source = load_hf_dir(target, origin)
+    source = _load_converted(target, origin, path)
     logger.info("%s: converted in %.2f s (%s)", path, time.perf_counter() - start, target)
     return source
 
 
-def _load_cached(target: Path, origin: str) -> ModelSource | None:
+def _load_cached(target: Path, origin: str, gguf_path: Path) -> ModelSource | None:
     marker = _read_json_or_none(target / CONVERSION_MARKER)
     if not isinstance(marker, dict) or marker.get("format") != CONVERSION_FORMAT:
         return None
     try:
-        return load_hf_dir(target, origin)
+        return _load_converted(target, origin, gguf_path)
     except ModelLoadError as e:
         # The cache is ours to rebuild: a damaged one is replaced, not reported.
         logger.warning("%s: damaged cache entry, converting again: %s", target, e)
         return None
 
 
+def _load_converted(target: Path, origin: str, gguf_path: Path) -> ModelSource:
+    index = _read_json(target / TENSOR_INDEX, "tensor index")
+    tensors = index.get("tensors") if isinstance(index, dict) else None
+    if not isinstance(tensors, dict) or not tensors:
+        raise ModelLoadError(f"{target / TENSOR_INDEX}: no tensors in the index")
+    if index.get("gguf_size") != gguf_path.stat().st_size:
+        raise ModelLoadError(f"{target / TENSOR_INDEX}: indexes a file of another size")
+    return _describe_dir(target, origin, (), gguf_path)
+
+
 def _convert_into(path: Path, digest: str, target: Path, clean_stale: bool) -> None:
     # Imported here: gguf + transformers cost seconds and only a first conversion needs them.
-    from lockstep.model_loader.gguf_loader import convert_gguf
+    import lockstep.model_loader.gguf_loader as gguf_loader
 
     cache_dir = target.parent
     # Left by a crashed conversion; only safe to delete while we hold the lock.
@@ -130,7 +146,7 @@ def _convert_into(path: Path, digest: str, target: Path, clean_stale: bool) -> N
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_dir))
     try:
-        convert_gguf(path, tmp)
+        gguf_loader.convert_gguf(path, tmp)
         marker = {"format": CONVERSION_FORMAT, "source": str(path), "sha256": digest}
         (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         # mkdtemp and some writers create owner-only entries; a cache may be shared by users.
@@ -230,6 +246,14 @@ def load_hf_dir(model_dir: Path, origin: str) -> ModelSource:
     weight_files = _weight_files(model_dir)
     for f in weight_files:
         check_safetensors(f)
+    return _describe_dir(model_dir, origin, weight_files, None)
+
+
+def _describe_dir(model_dir: Path, origin: str, weight_files: tuple[Path, ...],
+                  gguf_file: Path | None) -> ModelSource:
+    hf_config = _read_json(model_dir / "config.json", "model config")
+    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: not an HF model config (no model_type)")
     if not _has_tokenizer(model_dir):
         raise ModelLoadError(
             f"{model_dir}: no tokenizer (expected tokenizer.json, tokenizer.model or vocab.json)"
@@ -240,6 +264,7 @@ def load_hf_dir(model_dir: Path, origin: str) -> ModelSource:
         weight_files=weight_files,
         chat_template=_chat_template(model_dir),
         origin=origin,
+        gguf_file=gguf_file,
     )
 
 

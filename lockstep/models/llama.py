@@ -16,6 +16,7 @@ from lockstep.distributed.parallel_state import (
 )
 from lockstep.layers.activation import act_and_mul
 from lockstep.layers.attention import PagedAttention
+from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from lockstep.layers.norm import RMSNorm
@@ -107,7 +108,9 @@ class LlamaForCausalLM(nn.Module):
             self.layer_cls(cfg, i, tp, dtype) if self.start_layer <= i < self.end_layer else nn.Identity()
             for i in range(cfg.num_layers))
         if pp.is_first or (pp.is_last and cfg.tie_word_embeddings):
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+            self.embed_tokens = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, tp, dtype,
+                serves_logits=pp.is_last and cfg.tie_word_embeddings)
         if pp.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.gemma_norms)
             self.lm_head = (
@@ -128,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h[fb.logits_indices]) if self.pp.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ParallelLMHead.logits(self.lm_head, hidden).float()  # type: ignore[arg-type]
+        logits = self.lm_head.logits(hidden).float()
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -139,7 +142,9 @@ class LlamaForCausalLM(nn.Module):
             return hasattr(self, "embed_tokens")
         return self.pp.is_last  # norm, lm_head
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> set[str]:
+        """Float tensors are copied into the parameters (in their dtype); block weights are kept
+        by their layers until `finish_loading`."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -158,9 +163,10 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[name]
             loader = param.weight_loader  # type: ignore[attr-defined]
+            if isinstance(tensor, torch.Tensor):
+                tensor = tensor.to(param.dtype)
             with torch.no_grad():
-                loader(param, tensor.to(param.dtype)) if shard is None else loader(
-                    param, tensor.to(param.dtype), shard)
+                loader(param, tensor) if shard is None else loader(param, tensor, shard)
             loaded.add(name)
         missing = set(params) - loaded
         if missing:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from lockstep.testing.hf_weights import hf_float_model
+
 _MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
 
@@ -46,12 +48,7 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.
     key = (str(Path(model_dir).resolve()), dtype)
     model = _MODELS.get(key)
     if model is None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=dtype, attn_implementation="eager"
-        )
-        model.eval()
+        model = hf_float_model(model_dir, dtype)  # a GGUF's cache entry too
         _MODELS[key] = model
     return model
 
@@ -108,19 +105,22 @@ def hf_greedy(
 
 
 @torch.inference_mode()
-def hf_fp16_weight_model(model_dir: Path) -> torch.nn.Module:
-    """The oracle for `--quantization fp16`: a fresh float32 HF model whose linear and LM-head
-    weights are rounded to float16 and back. The embedding rows used for lookups stay float32,
-    as lockstep keeps them, so a tied LM head gets its own rounded copy."""
-    from transformers import AutoModelForCausalLM
+def hf_packed_weight_model(model_dir: Path, qtype: str) -> torch.nn.Module:
+    """The oracle for `--quantization`: a fresh float32 HF model whose linear weights, embedding
+    table and LM head went through `qtype` blocks and back, as lockstep packs them at load
+    (a tied head shares the packed table, as it does in lockstep)."""
+    from lockstep.kernels import dequantize, quantize
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    head = model.get_output_embeddings()
-    head.weight = torch.nn.Parameter(head.weight.detach().half().float(), requires_grad=False)
+    def rounded(w: torch.Tensor) -> torch.Tensor:
+        return dequantize(qtype, quantize(qtype, w.float().contiguous()), w.shape[-1])
+
+    model = hf_float_model(model_dir)
+    done: set[int] = set()  # a tied weight is one tensor: round it once
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module is not head:
-            module.weight.data.copy_(module.weight.data.half().float())  # biases stay float32
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            if module.weight.data_ptr() not in done:
+                done.add(module.weight.data_ptr())
+                module.weight.data.copy_(rounded(module.weight.data))  # biases stay float32
     return model
 
 

@@ -1,0 +1,114 @@
+"""A weight kept in GGML's quantized blocks (a GGUF's own bytes, or float weights packed at load).
+
+Rows are output features; each row is whole blocks along the input dimension, so a row range is a
+column-parallel shard and a range of whole blocks is a row-parallel one. `lockstep.kernels`
+multiplies by the blocks directly; where it has no compiled kernel for a type, the layer holding
+the weight dequantizes it once at load instead (see `BlockLinearParts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lockstep import kernels
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    blocks: torch.Tensor  # uint8 [rows, row_bytes]
+    qtype: str  # a GGML type name: "Q8_0", "Q4_K", "F32", ...
+    n_cols: int  # input features
+    name: str = ""  # the checkpoint tensor, for error messages
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.n_cols)
+
+    def rows(self, start: int, end: int) -> BlockWeight:
+        return BlockWeight(self.blocks[start:end], self.qtype, self.n_cols, self.name)
+
+    def take_rows(self, index: torch.Tensor) -> BlockWeight:
+        return BlockWeight(self.blocks[index], self.qtype, self.n_cols, self.name)
+
+    def padded_rows(self, n: int) -> BlockWeight:
+        """`n` rows: these, then zero bytes (zero values in every GGML type)."""
+        extra = n - self.blocks.shape[0]
+        if extra <= 0:
+            return self
+        return BlockWeight(F.pad(self.blocks, (0, 0, 0, extra)), self.qtype, self.n_cols, self.name)
+
+    def shard_cols(self, rank: int, size: int) -> BlockWeight:
+        """Rank `rank`'s share of the input dimension, in whole blocks (a contiguous copy)."""
+        per_block, block_bytes = kernels.GGML_BLOCKS[self.qtype]
+        if self.n_cols % (per_block * size):
+            raise ValueError(
+                f"{self.name or 'a weight'} ({self.qtype}, blocks of {per_block} values): its "
+                f"{self.n_cols} input columns do not split into whole blocks over tp size {size} "
+                f"({self.n_cols // per_block} blocks); choose a --tp-size that divides "
+                f"{self.n_cols // per_block}")
+        local = self.n_cols // size
+        width = local // per_block * block_bytes
+        part = self.blocks[:, rank * width:(rank + 1) * width].contiguous()
+        return BlockWeight(part, self.qtype, local, self.name)
+
+    def dequantize(self) -> torch.Tensor:
+        return kernels.dequantize(self.qtype, self.blocks, self.n_cols)
+
+
+def pack(weight: torch.Tensor, qtype: str, name: str = "") -> BlockWeight:
+    """Float weight [N, K] -> `qtype` blocks (`--quantization` for float checkpoints)."""
+    per_block = kernels.GGML_BLOCKS[qtype][0]
+    if weight.shape[-1] % per_block:
+        raise ValueError(f"{name or 'a weight'}: its {weight.shape[-1]} input columns are not whole "
+                         f"{qtype} blocks of {per_block}; serve it without --quantization")
+    blocks = kernels.quantize(qtype, weight.detach().float().contiguous())
+    return BlockWeight(blocks, qtype, weight.shape[-1], name)
+
+
+def uses_kernel(weight: BlockWeight, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a layer of this dtype on this device multiplies by the blocks themselves: the
+    kernels are CPU and take float32 activations; anything else runs on dequantized floats."""
+    return dtype == torch.float32 and device.type == "cpu" and kernels.has_kernel(weight.qtype)
+
+
+def block_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """x [..., K] float32 @ weight^T -> [..., N] float32."""
+    rows = x.reshape(-1, weight.n_cols).contiguous()
+    y = kernels.linear(rows, weight.blocks, weight.qtype, weight.n_cols)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+Part = BlockWeight | torch.Tensor  # blocks a kernel multiplies by, or float rows
+
+
+def settle(parts: list[BlockWeight], dtype: torch.dtype,
+           device: torch.device) -> tuple[list[Part], list[str]]:
+    """What a layer multiplies by, from its loaded block parts (in output-row order): blocks where
+    a kernel serves their type here, else floats dequantized once now; neighbours of one kind
+    merged so that a layer whose parts agree runs one matmul. Also the types dequantized."""
+    settled: list[Part] = []
+    dequantized: list[str] = []
+    for w in parts:
+        part: Part = w
+        if not uses_kernel(w, dtype, device):
+            part = w.dequantize().to(device=device, dtype=dtype)
+            dequantized.append(w.qtype)
+        prev = settled[-1] if settled else None
+        if isinstance(prev, torch.Tensor) and isinstance(part, torch.Tensor):
+            settled[-1] = torch.cat([prev, part])
+        elif (isinstance(prev, BlockWeight) and isinstance(part, BlockWeight)
+              and (prev.qtype, prev.n_cols) == (part.qtype, part.n_cols)):
+            settled[-1] = BlockWeight(torch.cat([prev.blocks, part.blocks]), part.qtype,
+                                      part.n_cols, prev.name)
+        else:
+            settled.append(part)
+    return settled, dequantized
+
+
+def matmul_parts(x: torch.Tensor, parts: list[Part]) -> torch.Tensor:
+    """x @ (parts stacked by rows)^T, one matmul per part, outputs side by side."""
+    outs = [block_matmul(x, p) if isinstance(p, BlockWeight) else F.linear(x, p) for p in parts]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

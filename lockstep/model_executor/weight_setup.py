@@ -1,0 +1,73 @@
+"""Load a model's weights and settle them: GGUF blocks (or a float checkpoint packed into blocks
+by --quantization) stay in blocks where a kernel serves their type, else become floats once."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from lockstep import kernels
+from lockstep.layers.block_weight import BlockWeight
+from lockstep.layers.embedding import VocabParallelEmbedding
+from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
+from lockstep.layers.quantization import QUANTIZATION_TYPES
+from lockstep.model_loader.source import ModelSource
+from lockstep.model_loader.weights import iter_weights
+
+logger = logging.getLogger(__name__)
+
+_BLOCK_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+def load_model_weights(model: nn.Module, source: ModelSource, quantization: str | None,
+                       dtype: torch.dtype, device: str) -> None:
+    if quantization is not None and source.gguf_file is not None:
+        raise ValueError(f"--quantization {quantization}: {source.origin} is a GGUF, its weights "
+                         "are quantized blocks already; drop --quantization")
+    model.load_weights(iter_weights(source))
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _BLOCK_LAYERS)]
+    if quantization is not None:
+        qtype = QUANTIZATION_TYPES[quantization]
+        for name, m in layers:
+            m.pack(qtype, f"{name}.weight")
+        logger.info("--quantization %s: %d weights packed into %s blocks", quantization,
+                    len(layers), qtype)
+    dequantized: Counter[str] = Counter()
+    for _, m in layers:
+        dequantized.update(m.finish_loading())
+    if not dequantized:
+        return
+    types = ", ".join(f"{t} ({n} tensors)" for t, n in sorted(dequantized.items()))
+    if dtype != torch.float32 or device != "cpu":
+        logger.info("%s on %s: %s dequantized at load (the block kernels run float32 "
+                    "activations on a CPU: --dtype auto there)", dtype, device, types)
+    else:
+        logger.info("no compiled kernel here (variant %s) for %s: dequantized to float32 at load",
+                    kernels.kernel_variant(), types)
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """This rank's own weight bytes (float parameters and blocks) by kind (qkv_proj, lm_head, ...)
+    and in total: what TP sharding and resident memory are measured by."""
+    out: dict[str, int] = {"total": 0}
+
+    def add(name: str, nbytes: int) -> None:
+        kind = name.split(".")[-2] if "layers." in name else name.split(".")[0]
+        out[kind] = out.get(kind, 0) + nbytes
+        out["total"] += nbytes
+
+    for name, p in model.named_parameters():
+        add(name, p.numel() * p.element_size())
+    for name, m in model.named_modules():
+        held = list(getattr(m, "parts", None) or [])
+        if getattr(m, "table", None) is not None:
+            held.append(m.table)
+        if getattr(m, "logits_parts", None) and m.logits_parts[0] is not m.table:
+            held += m.logits_parts  # a float copy for logits next to the table
+        for part in held:
+            t = part.blocks if isinstance(part, BlockWeight) else part
+            add(f"{name}.weight", t.numel() * t.element_size())
+    return out

@@ -1,0 +1,157 @@
+"""GGUF weights kept in their blocks: block layers against float references, TP sharding on block
+boundaries, types the kernels lack, and the default model served on its own blocks."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lockstep.distributed.parallel_state import SINGLE, ParallelGroup
+from lockstep.entrypoints.engine import launch_subprocesses
+from lockstep.kernels import has_kernel, quantize
+from lockstep.layers.block_weight import BlockWeight
+from lockstep.layers.embedding import VocabParallelEmbedding
+from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from lockstep.model_loader import resolve_model
+from lockstep.server_args import ServerArgs
+from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
+from lockstep.testing.oracle import greedy_matches, hf_greedy
+from tests.test_loader import QTYPE, tiny_config, tiny_model, write_gguf
+
+torch.manual_seed(0)
+
+
+def blocks(qtype: str, rows: int, cols: int, name: str = "w") -> BlockWeight:
+    w = torch.randn(rows, cols) * 0.1
+    return BlockWeight(quantize(qtype, w), qtype, cols, name)
+
+
+def test_fused_qkv_with_parts_of_different_types_equals_the_float_reference():
+    """q/k in Q5_0, v in Q8_0 (as the default GGUF's attention has in some layers)."""
+    layer = QKVParallelLinear(64, 16, 4, 2, True, SINGLE, torch.float32)
+    q, k, v = blocks("Q5_0", 64, 64, "q"), blocks("Q5_0", 32, 64, "k"), blocks("Q8_0", 32, 64, "v")
+    bias = torch.randn(128)
+    for shard, w in zip("qkv", (q, k, v)):
+        layer.weight_loader(layer.weight, w, shard)
+    layer.weight_loader(layer.bias, bias[:64], "q")
+    layer.weight_loader(layer.bias, bias[64:96], "k")
+    layer.weight_loader(layer.bias, bias[96:], "v")
+    layer.finish_loading()
+    x = torch.randn(5, 64)
+    ref = F.linear(x, torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]), bias)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+    if has_kernel("Q5_0") and has_kernel("Q8_0"):  # q+k merged into one part, v its own
+        assert [p.qtype for p in layer.parts] == ["Q5_0", "Q8_0"] and layer.weight is None
+
+
+def test_merged_gate_up_and_row_parallel_blocks_equal_the_float_reference():
+    gate_up = MergedColumnParallelLinear(64, [96, 96], False, SINGLE, torch.float32)
+    gate, up = blocks("Q4_0", 96, 64), blocks("Q4_0", 96, 64)
+    gate_up.weight_loader(gate_up.weight, gate, 0)
+    gate_up.weight_loader(gate_up.weight, up, 1)
+    down = RowParallelLinear(96, 64, False, SINGLE, torch.float32)
+    down_w = blocks("Q8_0", 64, 96)
+    down.weight_loader(down.weight, down_w)
+    for m in (gate_up, down):
+        m.finish_loading()
+    x = torch.randn(3, 64)
+    full = torch.cat([gate.dequantize(), up.dequantize()])
+    torch.testing.assert_close(gate_up(x), x @ full.T, rtol=1e-5, atol=1e-5)
+    h = torch.randn(3, 96)
+    torch.testing.assert_close(down(h), h @ down_w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_reads_rows_from_blocks_and_a_tied_head_multiplies_by_them():
+    table = blocks("Q8_0", 50, 64, "token_embd.weight")
+    emb = VocabParallelEmbedding(50, 64, SINGLE, torch.float32, serves_logits=True)
+    emb.weight_loader(emb.weight, table)
+    emb.finish_loading()
+    assert emb.weight is None and emb.table is not None  # no float copy of the table for lookups
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(emb(ids), table.dequantize()[ids])
+    h = torch.randn(2, 64)
+    torch.testing.assert_close(emb.logits(h), h @ table.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_row_parallel_shards_whole_blocks_and_sums_to_tp1():
+    w = blocks("Q8_0", 48, 128)
+    x = torch.randn(4, 128)
+    full = RowParallelLinear(128, 48, False, SINGLE, torch.float32)
+    full.weight_loader(full.weight, w)
+    full.finish_loading()
+    partial = []
+    for rank in range(2):
+        m = RowParallelLinear(128, 48, False, ParallelGroup(rank=rank, size=2), torch.float32)
+        m.weight_loader(m.weight, w)
+        m.finish_loading()
+        shard = m.weight if m.parts is None else m.parts[0].dequantize()
+        assert torch.equal(shard, w.dequantize()[:, rank * 64:(rank + 1) * 64])  # bitwise
+        partial.append(m._matmul(x[:, rank * 64:(rank + 1) * 64], None))  # all-reduce sums these
+    torch.testing.assert_close(partial[0] + partial[1], full(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_layout_that_cannot_split_names_the_tensor_block_size_and_tp_size():
+    w = blocks("Q8_0", 8, 96, "blk.3.ffn_down.weight")
+    m = RowParallelLinear(96, 8, False, ParallelGroup(rank=0, size=2), torch.float32)
+    with pytest.raises(ValueError) as info:
+        m.weight_loader(m.weight, w)
+    msg = str(info.value)
+    for part in ("blk.3.ffn_down.weight", "Q8_0", "blocks of 32", "tp size 2", "96 input columns"):
+        assert part in msg, msg
+
+
+def test_a_gguf_that_cannot_split_fails_at_start_with_that_error(tmp_path, monkeypatch):
+    """intermediate 96 is 3 Q8_0 blocks: not whole blocks on each of 2 ranks."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tiny_config("qwen2")
+    cfg.intermediate_size = 96
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    path = write_gguf(model, "qwen2", tmp_path / "odd.gguf", quantize=True)
+    args = ServerArgs(model_path=str(path), tp_size=2, max_total_tokens=1024)
+    with pytest.raises(Exception) as info:
+        launch_subprocesses(args).shutdown()
+    msg = str(info.value)
+    assert "blk.0.ffn_down.weight (Q8_0, blocks of 32 values)" in msg and "tp size 2" in msg, msg
+
+
+def test_a_gguf_with_types_the_kernels_lack_loads_dequantized(tmp_path, monkeypatch, caplog):
+    """Q4_1 / Q5_1 have no block format in lockstep.kernels: dequantized at load, one log line a
+    type, and served greedy equal to HF on the same (dequantized) weights."""
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+
+    def qtype_of(name: str) -> gguf.GGMLQuantizationType:
+        return QTYPE.Q5_1 if "ffn" in name else QTYPE.Q4_1
+
+    path = write_gguf(tiny_model("llama"), "llama", tmp_path / "q41.gguf", qtype_of=qtype_of)
+    source = resolve_model(str(path))
+    with caplog.at_level(logging.INFO, logger="lockstep.model_loader.weights"):
+        sched = make_scheduler(path, max_total_tokens=2048)
+    lines = [r.message for r in caplog.records if "dequantized to float32 at load" in r.message]
+    assert len(lines) == 2 and "Q4_1" in lines[0] and "Q5_1" in lines[1], lines
+    prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62]]
+    ref = hf_greedy(source.model_dir, prompts, 12)
+    got = run_to_completion(sched, [greedy_req(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+    for i, r in enumerate(ref):
+        assert greedy_matches(got[f"r{i}"].output_ids, r), i
+
+
+def test_tiny_gguf_tp2_equals_tp1(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tiny_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
+    prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62, 63, 64]]
+    single = run_to_completion(make_scheduler(path, max_total_tokens=2048),
+                               [greedy_req(f"r{i}", p, 12) for i, p in enumerate(prompts)])
+    launched = launch_subprocesses(ServerArgs(model_path=str(path), tp_size=2,
+                                              max_total_tokens=2048))
+    try:
+        assert generate_through(launched, prompts, 12) == [single[f"r{i}"].output_ids
+                                                           for i in range(len(prompts))]
+    finally:
+        launched.shutdown()
