@@ -1,5 +1,5 @@
 """GGUF weights kept in their blocks: block layers against float references, TP sharding on block
-boundaries, types the kernels lack, and the default model served on its own blocks."""
+boundaries, types the kernels lack."""
 
 from __future__ import annotations
 
