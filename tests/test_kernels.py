@@ -312,3 +312,42 @@ def test_concurrent_builds_compile_once_and_a_killed_build_does_not_wedge(tmp_pa
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 and out.strip() == "loaded" for p, (out, _) in zip(procs, outs)), outs
     assert len(calls.read_text().split()) == 1
+
+
+def test_amx_bf16_path_matches_its_reference_and_is_batch_invariant() -> None:
+    """The opt-in bfloat16 path: bf16(x) @ bf16(W).T in float32, a row the same alone or in a batch."""
+    from lockstep.kernels.build import missing_flags
+
+    lacking = missing_flags("amx_bf16")
+    if lacking:
+        pytest.skip(f"this CPU lacks {', '.join(lacking)} for the AMX bfloat16 path")
+    mod = compiled("avx512")
+    k = 512
+    g = torch.Generator().manual_seed(9)
+    for qtype in QTYPES:
+        for n in (1, 37):
+            blocks = random_blocks(qtype, n, k, seed=n + 1)
+            w = dequantize(qtype, blocks, k).bfloat16().double()
+            x = torch.randn(40, k, generator=g)
+
+            def run(a, b=blocks, q=qtype):
+                return mod.linear_amx_bf16(a.bfloat16().contiguous(), b, q, k)
+
+            for m in (1, 7, 40):
+                y = run(x[:m])
+                ref = (x[:m].bfloat16().double() @ w.T).float()
+                assert_close_to_reference(y, ref, k)
+            assert_batch_invariant(run, x[:33])
+
+
+def test_linear_bf16_api_serves_compiled_where_it_can() -> None:
+    from lockstep.kernels import has_bf16_kernel, kernel_variant, linear_bf16
+    from lockstep.kernels.build import missing_flags
+
+    blocks = random_blocks("Q8_0", 20, 256, seed=10)
+    x = torch.randn(6, 256)
+    y = linear_bf16(x, blocks, "Q8_0", 256)
+    ref = (x.bfloat16().double() @ dequantize("Q8_0", blocks, 256).bfloat16().double().T).float()
+    assert_close_to_reference(y, ref, 256)
+    expect = kernel_variant() == "avx512" and not missing_flags("amx_bf16")
+    assert has_bf16_kernel("Q8_0") == expect

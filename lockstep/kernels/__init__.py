@@ -5,15 +5,24 @@ the machine has them and fall back to the plain-torch reference in `blocks` othe
 """
 
 from lockstep.kernels.blocks import GGML_BLOCKS, dequantize, quantize, row_bytes
-from lockstep.kernels.ops import embedding, has_kernel, kernel_variant, linear
+from lockstep.kernels.ops import (
+    embedding,
+    has_bf16_kernel,
+    has_kernel,
+    kernel_variant,
+    linear,
+    linear_bf16,
+)
 
 __all__ = [
     "GGML_BLOCKS",
     "dequantize",
     "embedding",
+    "has_bf16_kernel",
     "has_kernel",
     "kernel_variant",
     "linear",
+    "linear_bf16",
     "quantize",
     "row_bytes",
 ]

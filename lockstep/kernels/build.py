@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 ISA_ENV = "LOCKSTEP_KERNEL_ISA"
 VARIANTS = ("avx512", "avx2")
-SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"  # includes the other files in csrc/
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-mfma", "-mf16c"]
 _FLAGS = {
     "avx2": ["-mavx2"],
@@ -38,6 +38,10 @@ REQUIRED_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
 }
+
+
+# the opt-in bfloat16 path (AVX-512 build only) runs AMX tiles
+AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
 
 
 class KernelBuildError(RuntimeError):
@@ -58,8 +62,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 def missing_flags(variant: str) -> list[str]:
-    """The CPU flags `variant` needs that this CPU lacks."""
-    return [f for f in REQUIRED_FLAGS[variant] if f not in cpu_flags()]
+    """The CPU flags `variant` needs that this CPU lacks ("amx_bf16": the AMX bfloat16 path)."""
+    needed = (*REQUIRED_FLAGS["avx512"], *AMX_BF16_FLAGS) if variant == "amx_bf16" else REQUIRED_FLAGS[variant]
+    return [f for f in needed if f not in cpu_flags()]
 
 
 def _cache_root() -> Path:
@@ -69,7 +74,8 @@ def _cache_root() -> Path:
 
 def _build_dir(variant: str) -> tuple[str, Path]:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), variant.encode(),
+    sources = sorted(f for f in SOURCE.parent.iterdir() if f.suffix in (".cpp", ".h"))
+    for part in (*(f.read_bytes() for f in sources), torch.__version__.encode(), variant.encode(),
                  " ".join(_COMMON_FLAGS + _FLAGS[variant]).encode(), sys.version.encode()):
         key.update(part)
         key.update(b"\0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.kernels.blocks import GGML_BLOCKS, check_blocks, dequantize
-from lockstep.kernels.build import selected
+from lockstep.kernels.build import missing_flags, selected
 
 # the compiled kernels work in groups of 32 input elements; float rows of other lengths use the reference
 _GROUP = 32
@@ -50,3 +50,24 @@ def embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) 
     else:
         out = dequantize(qtype, blocks[flat], n_cols)
     return out.reshape(*ids.shape, n_cols)
+
+
+def has_bf16_kernel(qtype: str) -> bool:
+    """True when `linear_bf16` runs compiled (AMX tiles) for `qtype` on this machine now."""
+    return has_kernel(qtype) and kernel_variant() == "avx512" and not missing_flags("amx_bf16")
+
+
+def linear_bf16(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
+    """Opt-in batched path: y = bf16(x) @ bf16(dequantize(W)).T, float32 out, for float32 x [M, K].
+
+    Both operands are rounded to bfloat16 (the weights after exact dequantization), products are
+    summed in float32. Compiled (AMX) it is still batch invariant, as `linear` is, and several times
+    faster than `linear` at batch 32; the numbers differ from `linear`'s by bfloat16 rounding, so
+    callers offer it behind a flag. The fallback is torch's bfloat16 matmul (not batch invariant).
+    """
+    check_blocks(qtype, blocks, n_cols)
+    _check_x(x, n_cols)
+    xb = x.to(torch.bfloat16).contiguous()
+    if has_bf16_kernel(qtype) and n_cols % _GROUP == 0 and blocks.stride(1) == 1:
+        return selected()[1].linear_amx_bf16(xb, blocks, qtype, n_cols)
+    return (xb @ dequantize(qtype, blocks, n_cols).to(torch.bfloat16).T).float()

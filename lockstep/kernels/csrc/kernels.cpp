@@ -11,9 +11,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -427,9 +430,18 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, const std:
   return out;
 }
 
+
+
+#ifdef LOCKSTEP_AVX512
+#include "amx_bf16.h"  // the opt-in AMX bfloat16 path, inside this namespace: it reuses the decoders
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("embedding", &embedding, pybind11::call_guard<pybind11::gil_scoped_release>());
+#ifdef LOCKSTEP_AVX512
+  mod.def("linear_amx_bf16", &linear_amx_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
+#endif
 }
