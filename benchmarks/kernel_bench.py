@@ -7,6 +7,7 @@ and a Q4_K 2048 -> 640 layer (the first one in the file with that shape), plus t
 round runs each contestant once, in turn, so load from other processes falls on all of them alike; the
 figure is the minimum over rounds (and the median, to show the spread). At M = 1 the GB/s column is the
 weight bytes each contestant reads over its time (blocks for the kernels, float32 / bfloat16 for torch).
+"amx bf16 (opt-in)" is lockstep.kernels.linear_bf16's compiled path (bfloat16 operands, not the exact path).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def contestants(modules: dict, x: torch.Tensor, blocks: torch.Tensor, qtype: str
     out: dict[str, Callable[[], object]] = {
         v: (lambda mod=mod: mod.linear(x, blocks, qtype, k)) for v, mod in modules.items()
     }
+    if "avx512" in modules and not missing_flags("amx_bf16"):
+        out["amx bf16 (opt-in)"] = lambda: modules["avx512"].linear_amx_bf16(xb, blocks, qtype, k)
     out["torch f32"] = lambda: F.linear(x, w32)
     out["torch bf16"] = lambda: F.linear(xb, w16)
     return out

@@ -112,8 +112,12 @@ at::Tensor linear_amx_bf16(const at::Tensor& xb, const at::Tensor& blocks, const
   // x as B: word [kk][row] = the bfloat16 pair (x[row][2kk], x[row][2kk + 1]); padded rows are zero
   std::vector<uint32_t> xp(static_cast<size_t>(k / 2 * mp), 0);
   const auto* xw = reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>());
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t kk = 0; kk < k / 2; ++kk) xp[kk * mp + r] = xw[r * (k / 2) + kk];
+  // 16 rows at a time: their cache lines stay in L1 while the writes go out 64 contiguous bytes at a time
+  for (int64_t r0 = 0; r0 < m; r0 += 16) {
+    const int64_t r1 = std::min<int64_t>(m, r0 + 16);
+    for (int64_t kk = 0; kk < k / 2; ++kk)
+      for (int64_t r = r0; r < r1; ++r) xp[kk * mp + r] = xw[r * (k / 2) + kk];
+  }
   dispatch(qtype, [&](auto tag) {
     using T = decltype(tag);
     amx_gemm<T>(blocks.data_ptr<uint8_t>(), blocks.stride(0), xp.data(), mp, y.data_ptr<float>(), m, n, k,
