@@ -268,7 +268,7 @@ constexpr int kTileM = 4, kTileN = 2;
 #else
 constexpr int kGemvRows = 2;
 constexpr int kSmallRows = 1;
-constexpr int kTileM = 4, kTileN = 2;
+constexpr int kTileM = 3, kTileN = 1;
 #endif
 constexpr int64_t kPrefetchBytes = 8192;
 // Unrolled before GCC's scalar replacement runs, so the accumulator arrays live in registers
