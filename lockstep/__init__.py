@@ -16,7 +16,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from lockstep.entrypoints.offline_engine import Engine
+    from lockstep.entrypoints.engine import Engine
     from lockstep.server_args import ServerArgs
 
 __all__ = ["Engine", "ServerArgs", "__version__"]
@@ -24,7 +24,7 @@ __all__ = ["Engine", "ServerArgs", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from lockstep.entrypoints.offline_engine import Engine
+        from lockstep.entrypoints.engine import Engine
 
         return Engine
     if name == "ServerArgs":

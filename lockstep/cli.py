@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_serve(rest)
         return 0
     if command == "router":
-        from lockstep.router.router import main as router_main
+        from lockstep.router.server import main as router_main
 
         return router_main(rest)
     if not rest or rest[0] in ("-h", "--help"):

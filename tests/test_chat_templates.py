@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import functools
 import json
+from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
 from lockstep.entrypoints.chat_templates import (
     ARCH_TO_TEMPLATE,
@@ -11,6 +14,14 @@ from lockstep.entrypoints.chat_templates import (
     render_chat,
     resolve_chat_template,
 )
+from lockstep.testing.tiny_models import make_tiny_model
+
+
+@functools.cache
+def _tok() -> Any:
+    """A real tokenizer to render with (its own bos/eos are overridden where a test needs)."""
+    return AutoTokenizer.from_pretrained(make_tiny_model("qwen2"))
+
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -21,7 +32,8 @@ CONVERSATION = [
 
 
 def test_gemma_matches_official_gemma3_format():
-    out = render_chat(BUILTIN_CHAT_TEMPLATES["gemma"], CONVERSATION, bos_token="<bos>")
+    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["gemma"], CONVERSATION,
+                      extra_context={"bos_token": "<bos>"})
     assert out == (
         "<bos><start_of_turn>user\nYou are terse.\n\nHi there<end_of_turn>\n"
         "<start_of_turn>model\nHello!<end_of_turn>\n"
@@ -31,10 +43,10 @@ def test_gemma_matches_official_gemma3_format():
 
 
 def test_gemma_without_system_and_without_generation_prompt():
-    out = render_chat(
+    out = render_chat(_tok(),
         BUILTIN_CHAT_TEMPLATES["gemma"],
         [{"role": "user", "content": "Hi"}],
-        bos_token="<bos>",
+        extra_context={"bos_token": "<bos>"},
         add_generation_prompt=False,
     )
     assert out == "<bos><start_of_turn>user\nHi<end_of_turn>\n"
@@ -42,14 +54,15 @@ def test_gemma_without_system_and_without_generation_prompt():
 
 def test_gemma_rejects_non_alternating_roles():
     with pytest.raises(ChatTemplateError, match="alternate"):
-        render_chat(
+        render_chat(_tok(),
             BUILTIN_CHAT_TEMPLATES["gemma"],
             [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
         )
 
 
 def test_llama3_matches_official_format():
-    out = render_chat(BUILTIN_CHAT_TEMPLATES["llama3"], CONVERSATION, bos_token="<|begin_of_text|>")
+    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["llama3"], CONVERSATION,
+                      extra_context={"bos_token": "<|begin_of_text|>"})
     assert out == (
         "<|begin_of_text|>"
         "<|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
@@ -61,7 +74,7 @@ def test_llama3_matches_official_format():
 
 
 def test_chatml_matches_qwen_format():
-    out = render_chat(BUILTIN_CHAT_TEMPLATES["chatml"], CONVERSATION)
+    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["chatml"], CONVERSATION)
     assert out == (
         "<|im_start|>system\nYou are terse.<|im_end|>\n"
         "<|im_start|>user\nHi there <|im_end|>\n"
@@ -73,11 +86,12 @@ def test_chatml_matches_qwen_format():
 
 def test_text_parts_are_concatenated_and_other_parts_rejected():
     parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
-    out = render_chat(BUILTIN_CHAT_TEMPLATES["chatml"], [{"role": "user", "content": parts}])
+    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["chatml"],
+                      [{"role": "user", "content": parts}])
     assert out == "<|im_start|>user\nHello, world<|im_end|>\n<|im_start|>assistant\n"
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\].*'image_url'.*only text"):
-        render_chat(
+        render_chat(_tok(),
             BUILTIN_CHAT_TEMPLATES["chatml"], [{"role": "user", "content": [parts[0], image]}]
         )
 
@@ -88,23 +102,25 @@ def test_transformers_style_environment():
         "{% if loop.index > 0 %}{% break %}{% endif %}{% endfor %}"
         "{{ eos_token }}{% if not add_generation_prompt %}{{ raise_exception('needs prompt') }}{% endif %}"
     )
-    out = render_chat(template, [{"role": "user", "content": "é<b>"}] * 2, eos_token="</s>")
+    out = render_chat(_tok(), template, [{"role": "user", "content": "é<b>"}] * 2,
+                      extra_context={"eos_token": "</s>"})
     # tojson keeps non-ASCII and HTML characters; trim_blocks eats the newline after a block tag.
     assert out == '{"role": "user", "content": "é<b>"}</s>'
     with pytest.raises(ChatTemplateError, match="needs prompt"):
-        render_chat(template, [{"role": "user", "content": "x"}], add_generation_prompt=False)
+        render_chat(_tok(), template, [{"role": "user", "content": "x"}],
+                    add_generation_prompt=False)
 
 
 def test_bad_template_and_sandbox_escape_are_chat_template_errors():
     with pytest.raises(ChatTemplateError, match="invalid chat template"):
-        render_chat("{% for m in messages %}", [{"role": "user", "content": "x"}])
+        render_chat(_tok(), "{% for m in messages %}", [{"role": "user", "content": "x"}])
     with pytest.raises(ChatTemplateError):
-        render_chat(
+        render_chat(_tok(),
             "{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
             [{"role": "user", "content": "x"}],
         )
     with pytest.raises(ChatTemplateError, match="non-empty list"):
-        render_chat(BUILTIN_CHAT_TEMPLATES["chatml"], [])
+        render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["chatml"], [])
 
 
 def test_resolve_order(tmp_path):

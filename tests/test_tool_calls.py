@@ -3,6 +3,7 @@ OpenAI function-calling flow against a live server."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -11,7 +12,7 @@ import jsonschema_rs
 import openai
 import pydantic
 import pytest
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from lockstep.entrypoints.chat_templates import (
     BUILTIN_CHAT_TEMPLATES,
@@ -31,6 +32,13 @@ from lockstep.entrypoints.tool_calls import (
 from lockstep.testing.live_server import LiveServer
 from lockstep.testing.tiny_models import make_tiny_model
 from tests.test_http_generate import shared_real_server
+
+
+@functools.cache
+def _tok() -> Any:
+    """A real tokenizer to render with (its own bos/eos are overridden where a test needs)."""
+    return AutoTokenizer.from_pretrained(make_tiny_model("qwen2"))
+
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -57,7 +65,7 @@ HISTORY = [
 
 
 def test_chatml_renders_tools_and_history_as_qwen_does() -> None:
-    out = render_chat(BUILTIN_CHAT_TEMPLATES["chatml"], HISTORY, tools=[WEATHER])
+    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["chatml"], HISTORY, tools=[WEATHER])
     assert out == (
         "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist "
         "with the user query.\n\nYou are provided with function signatures within <tools></tools> "
@@ -74,8 +82,8 @@ def test_chatml_renders_tools_and_history_as_qwen_does() -> None:
 
 
 def test_llama3_renders_tools_and_history_as_llama_3_1_does() -> None:
-    out = render_chat(BUILTIN_CHAT_TEMPLATES["llama3"], HISTORY, tools=[WEATHER],
-                      bos_token="<|begin_of_text|>")
+    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["llama3"], HISTORY, tools=[WEATHER],
+                      extra_context={"bos_token": "<|begin_of_text|>"})
     assert out.startswith(
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
         "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|>"
@@ -94,8 +102,8 @@ def test_llama3_renders_tools_and_history_as_llama_3_1_does() -> None:
 
 
 def test_gemma_renders_tools_in_the_first_user_turn_and_calls_as_python() -> None:
-    out = render_chat(BUILTIN_CHAT_TEMPLATES["gemma"], HISTORY, tools=[WEATHER],
-                      bos_token="<bos>")
+    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["gemma"], HISTORY, tools=[WEATHER],
+                      extra_context={"bos_token": "<bos>"})
     assert out.startswith("<bos><start_of_turn>user\nBe brief.\n\nYou have access to functions.")
     assert f"[\n{WEATHER_JSON}\n]\n\nWeather in Paris and Oslo?<end_of_turn>\n" in out
     assert out.endswith(
@@ -103,7 +111,8 @@ def test_gemma_renders_tools_in_the_first_user_turn_and_calls_as_python() -> Non
         'metric=True)]<end_of_turn>\n<start_of_turn>user\n```tool_output\n{"temp": 20}\n```\n'
         "```tool_output\n-3\n```<end_of_turn>\n<start_of_turn>model\n")
     with pytest.raises(ChatTemplateError, match="alternate"):
-        render_chat(BUILTIN_CHAT_TEMPLATES["gemma"], HISTORY[:2] + HISTORY[1:2], tools=[WEATHER])
+        render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["gemma"], HISTORY[:2] + HISTORY[1:2],
+                    tools=[WEATHER])
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_CHAT_TEMPLATES))
@@ -111,19 +120,9 @@ def test_without_tools_the_templates_are_unchanged(name: str) -> None:
     plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
              {"role": "user", "content": "Bye"}]
     template = BUILTIN_CHAT_TEMPLATES[name]
-    assert render_chat(template, plain, tools=None) == render_chat(template, plain, tools=[])
-    assert "function" not in render_chat(template, plain)
-
-
-@pytest.mark.parametrize("name", sorted(BUILTIN_CHAT_TEMPLATES))
-def test_builtins_render_the_same_under_transformers(name: str, tiny_model_dirs: dict) -> None:
-    """transformers' apply_chat_template is the oracle for the template environment."""
-    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model_dirs["qwen2"])
-    template = BUILTIN_CHAT_TEMPLATES[name]
-    ours = render_chat(template, HISTORY, tools=[WEATHER], bos_token=tok.bos_token)
-    theirs = tok.apply_chat_template(HISTORY, tools=[WEATHER], chat_template=template,
-                                     tokenize=False, add_generation_prompt=True)
-    assert ours == theirs
+    assert (render_chat(_tok(), template, plain, tools=None)
+            == render_chat(_tok(), template, plain, tools=[]))
+    assert "function" not in render_chat(_tok(), template, plain)
 
 
 # ---------------------------------------------------------------------------------------------

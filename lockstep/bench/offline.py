@@ -28,7 +28,7 @@ def _sampling(row: Any, ignore_eos: bool) -> dict[str, Any]:
 def run_engine(server_args: Any, rows: list[Any], ignore_eos: bool, warmup: bool) -> tuple[float, int]:
     import dataclasses
 
-    from lockstep.entrypoints.offline_engine import Engine
+    from lockstep.entrypoints.engine import Engine
 
     with Engine(**dataclasses.asdict(server_args)) as engine:
         if warmup:

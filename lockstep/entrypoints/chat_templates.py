@@ -1,9 +1,9 @@
-"""Chat templates: built-ins for models whose tokenizer has none, and Jinja rendering.
+"""Chat templates: which one a model uses, and rendering through transformers.
 
 The default model's GGUF carries no chat template, so a family's template has to come from
-somewhere; the built-ins reproduce each family's official format exactly. Rendering follows
-transformers' `apply_chat_template` environment so that a tokenizer's own template renders the
-same here as it does there.
+somewhere; the built-ins reproduce each family's official format exactly. Rendering is the
+tokenizer's own `apply_chat_template(..., chat_template=...)`, so a template renders here as it
+does in transformers.
 """
 
 from __future__ import annotations
@@ -11,14 +11,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lockstep.entrypoints.builtin_chat_templates import BUILTIN_CHAT_TEMPLATES
 
@@ -114,27 +109,22 @@ def _read_template_file(path: str) -> str:
 
 
 def render_chat(
+    tokenizer: Any,
     template: str,
     messages: list[dict],
     *,
     add_generation_prompt: bool = True,
-    bos_token: str = "",
-    eos_token: str = "",
     tools: list[dict] | None = None,
     extra_context: Mapping[str, Any] | None = None,
 ) -> str:
-    """Renders messages to a prompt string; ChatTemplateError (a ValueError) on bad input."""
-    compiled = _compile(template)
-    context = dict(extra_context or {})
-    context.update(
-        messages=_text_only_messages(messages),
-        add_generation_prompt=add_generation_prompt,
-        bos_token=bos_token,
-        eos_token=eos_token,
-        tools=tools,
-    )
+    """Renders messages to a prompt string; ChatTemplateError (a ValueError) on bad input.
+    `extra_context` reaches the template as variables (bos_token etc. override the tokenizer's)."""
     try:
-        return compiled.render(**context)
+        return tokenizer.apply_chat_template(
+            _text_only_messages(messages), tools=tools, chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **(extra_context or {}))
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"invalid chat template (line {e.lineno}): {e.message}") from e
     except jinja2.TemplateError as e:
         raise ChatTemplateError(str(e) or type(e).__name__) from e
 
@@ -165,40 +155,3 @@ def _text_only_messages(messages: list[dict]) -> list[dict]:
             raise ChatTemplateError(f"messages[{i}].content must be a string or a list of parts")
         out.append({**message, "content": content})
     return out
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """transformers' {% generation %} block (it marks assistant tokens); renders its body as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any
-) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates want plain JSON, as in transformers.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
-
-
-@lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"invalid chat template (line {e.lineno}): {e.message}") from e

@@ -1,26 +1,51 @@
-"""The one launch path, shared by the HTTP server and the offline Engine.
+"""The offline `Engine` and the one launch path it shares with the HTTP server.
 
-Start one scheduler process per (pp_rank, tp_rank) on this node, then the detokenizer; wait
-for each to report ready over its Pipe; then build the TokenizerManager in this process. A
-watchdog thread brings everything down if any child dies."""
+`launch_subprocesses` starts one scheduler process per (pp_rank, tp_rank) on this node, then the
+detokenizer; waits for each to report ready over its Pipe; then builds the TokenizerManager in
+this process. A watchdog thread brings everything down if any child dies.
+
+`Engine`: the server's processes and API, without HTTP.
+
+    import lockstep
+
+    if __name__ == "__main__":  # the scheduler processes are spawned: guard the entry point
+        with lockstep.Engine(model_path=...) as engine:
+            print(engine.generate("The capital of France is", {"max_new_tokens": 8})["text"])
+
+It starts the same processes as `lockstep serve` (the shared launch path) and runs the
+TokenizerManager on a private asyncio loop in a background thread, so `generate` works from
+plain synchronous code and `async_generate` from any event loop. Outputs are SGLang's dicts:
+{"text", "output_ids", "meta_info"}; a list for a list of prompts (or n > 1). Streaming yields
+the same dicts, each carrying the whole text so far (only the new text and ids with
+incremental_streaming_output=True); a batch stream adds "index".
+"""
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
 import logging
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic
+
 from lockstep.configs.model_config import ModelConfig
+from lockstep.entrypoints.errors import format_validation_error
+from lockstep.entrypoints.fanout import Fanout, run_to_completion, start_stream
 from lockstep.managers.data_parallel_controller import run_data_parallel_controller
 from lockstep.managers.detokenizer_manager import load_tokenizer, run_detokenizer_process
+from lockstep.managers.generate_request import GenerateReqInput
+from lockstep.managers.io_struct import FINISH_ABORT, ReqOutput
 from lockstep.managers.scheduler_process import run_scheduler_process
-from lockstep.managers.tokenizer_manager import TokenizerManager
+from lockstep.managers.tokenizer_manager import GenerateOutput, TokenizerManager
 from lockstep.model_loader import resolve_model
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import kill_tree
@@ -176,3 +201,217 @@ def install_signal_handlers(launched: Launched, exit_code_on_child_death: int = 
         os._exit(exit_code_on_child_death)
 
     launched.watch(on_death)
+
+
+# ---------------------------------------------------------------------------------------------
+# The offline Engine
+
+_END = object()
+
+
+async def _anext(agen: AsyncIterator[Any]) -> Any:
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _cancel_tasks() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.wait(tasks, timeout=2) if tasks else None
+
+
+class Engine:
+    """`lockstep.Engine(**server_args)`: keyword arguments are ServerArgs fields."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._closed = True
+        self.server_args = ServerArgs(**kwargs)
+        self._launched = launch_subprocesses(self.server_args)
+        self._closed = False
+        self.tokenizer_manager = self._launched.tokenizer_manager
+        assert self.tokenizer_manager is not None
+        self._dead: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lockstep-engine",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._start())
+        except BaseException:
+            self.shutdown()
+            raise
+        self._launched.watch(self._on_child_death)
+        atexit.register(self.shutdown)
+
+    async def _start(self) -> None:
+        self.tokenizer_manager.start()
+
+    # ---- plumbing ------------------------------------------------------------------------
+    def _submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the engine has been shut down")
+        if self._dead:
+            coro.close()
+            raise RuntimeError(f"the engine is dead: {self._dead}")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return self._submit(coro).result()
+
+    async def _await(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(coro))
+
+    def _on_child_death(self, message: str) -> None:
+        logger.error("%s; the engine stops serving", message)
+        self._dead = message
+        tm = self.tokenizer_manager
+
+        def fail_pending() -> None:
+            for state in list(tm.states.values()):
+                state.queue.put_nowait(ReqOutput(
+                    state.rid, [], FINISH_ABORT(f"engine died: {message}"),
+                    len(state.prompt_ids), len(state.output_ids), 0))
+
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fail_pending)
+
+    def _requests(self, prompt: Any, sampling_params: Any, input_ids: Any, stream: bool,
+                  **extra: Any) -> tuple[list[Any], bool]:
+        body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
+                "stream": stream, **extra}
+        try:
+            obj = GenerateReqInput.model_validate({k: v for k, v in body.items() if v is not None})
+            singles = obj.normalize()
+        except pydantic.ValidationError as e:
+            raise ValueError(format_validation_error(e)) from None
+        return singles, obj.is_batch or len(singles) > 1
+
+    async def _chunks(self, fan: Fanout, many: bool) -> AsyncIterator[dict[str, Any]]:
+        incremental = self.server_args.incremental_streaming_output
+        try:
+            async for index, item in fan.items():
+                chunk = {"text": item.text_delta if incremental else item.text,
+                         "output_ids": item.new_token_ids if incremental else item.output_ids,
+                         "meta_info": item.meta_info()}
+                if many:
+                    chunk["index"] = index
+                yield chunk
+        finally:
+            fan.close()
+
+    @staticmethod
+    def _shape(finals: list[GenerateOutput], many: bool) -> Any:
+        outs = [{"text": f.text, "output_ids": f.output_ids, "meta_info": f.meta_info()}
+                for f in finals]
+        return outs if many else outs[0]
+
+    # ---- API -----------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 return_logprob: bool | list[bool] | None = None,
+                 logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                 return_text_in_logprobs: bool | None = None, rid: str | list[str] | None = None,
+                 stream: bool = False) -> Any:
+        """One dict per prompt (a list for a list, or n > 1); with stream=True an iterator of
+        chunks. Bad input raises ValueError with the same message the server would send."""
+        singles, many = self._requests(
+            prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs, rid=rid)
+        tm = self.tokenizer_manager
+        if not stream:
+            return self._shape(self._call(run_to_completion(tm, singles, None)), many)
+        fan = self._call(start_stream(tm, singles, None))
+        return self._sync_stream(self._chunks(fan, many))
+
+    def _sync_stream(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        try:
+            while True:
+                chunk = self._call(_anext(agen))
+                if chunk is _END:
+                    return
+                yield chunk
+        finally:  # also when the caller stops early: the requests are aborted
+            if not self._closed and not self._loop.is_closed():
+                asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop)
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None,
+                             return_logprob: bool | list[bool] | None = None,
+                             logprob_start_len: int | None = None,
+                             top_logprobs_num: int | None = None,
+                             return_text_in_logprobs: bool | None = None,
+                             rid: str | list[str] | None = None, stream: bool = False) -> Any:
+        """As `generate`, from any event loop; with stream=True it returns an async iterator."""
+        singles, many = self._requests(
+            prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs, rid=rid)
+        tm = self.tokenizer_manager
+        if not stream:
+            return self._shape(await self._await(run_to_completion(tm, singles, None)), many)
+        fan = await self._await(start_stream(tm, singles, None))
+        return self._async_stream(self._chunks(fan, many))
+
+    async def _async_stream(self, agen: AsyncIterator[dict[str, Any]]
+                            ) -> AsyncIterator[dict[str, Any]]:
+        try:
+            while True:
+                chunk = await self._await(_anext(agen))
+                if chunk is _END:
+                    return
+                yield chunk
+        finally:
+            if not self._closed and not self._loop.is_closed():
+                asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop)
+
+    def flush_cache(self) -> bool:
+        return self._call(self.tokenizer_manager.flush_cache()).success
+
+    def get_server_info(self) -> dict[str, Any]:
+        import dataclasses
+
+        info = dataclasses.asdict(self.server_args)
+        info.update(max_total_num_tokens=self.tokenizer_manager.max_total_num_tokens,
+                    context_len=self.tokenizer_manager.context_len,
+                    num_running_requests=self.tokenizer_manager.num_running)
+        return info
+
+    @property
+    def child_pids(self) -> list[int]:
+        return [p.pid for p in self._launched.children if p.pid is not None]
+
+    def shutdown(self) -> None:
+        """Ends every child process; safe to call twice (and called at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if self._loop.is_running():
+            try:  # abort what is still running, then stop the loop
+                asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(timeout=5)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                logger.debug("cancelling the engine's tasks failed", exc_info=True)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._launched.shutdown()
+        if not self._loop.is_running():
+            self._loop.close()
+        self.tokenizer_manager.ctx.destroy(linger=0)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self._closed else "dead" if self._dead else "running"
+        return f"Engine({self.server_args.model_path or 'default model'}, {state})"

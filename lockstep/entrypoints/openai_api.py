@@ -181,8 +181,7 @@ class OpenAIServing:
         tok = self.tm.tokenizer
         try:
             messages = [template_message(i, m) for i, m in enumerate(req.messages_as_dicts())]
-            prompt = render_chat(self.chat_template, messages, add_generation_prompt=True,
-                                 bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
+            prompt = render_chat(tok, self.chat_template, messages,
                                  tools=list(plan.tools) if plan is not None else None)
         except ToolRequestError as e:
             raise RequestError(str(e)) from None

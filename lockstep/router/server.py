@@ -1,0 +1,307 @@
+"""The router's HTTP app and command line (`lockstep router`); routing itself is in router.py."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Sequence
+
+import orjson
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from lockstep.router.metrics import render as render_metrics
+from lockstep.router.policies import POLICIES, routing_text
+from lockstep.router.router import Router, RouterConfig, Worker, normalize_url
+from lockstep.utils.asgi import wait_disconnect
+from lockstep.utils.http import error_response, json_response
+
+logger = logging.getLogger("lockstep.router")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# Request headers worth passing on; hop-by-hop ones and Host/Content-Length are aiohttp's job.
+_FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent")
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`, cancelled (the worker's request closed, so it aborts) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # a no-op once it is done
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening any more
+    return task.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_REQUEST_HEADERS}
+
+
+async def _read_body(request: Request) -> bytes | Response:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return error_response(f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}",
+                              413)
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        return error_response(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", 413)
+    return body
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    router = Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        logger.info("routing to %d worker(s) (%d healthy) with policy %s",
+                    len(router.workers), len(router.healthy()), router.policy.name)
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="lockstep router", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    app.state.router = router
+
+    def least_loaded(candidates: list[Worker]) -> Worker:
+        return min(candidates, key=lambda w: w.load)
+
+    async def generation(request: Request, path: str) -> Response:
+        body = await _read_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            parsed = orjson.loads(body) if body.strip() else None
+        except orjson.JSONDecodeError:
+            parsed = None  # the worker says what is wrong with it
+        text = routing_text(path, parsed)
+        router.requests += 1
+
+        def pick(candidates: list[Worker]) -> Worker:
+            return router.policy.select(candidates, text)  # type: ignore[return-value]
+
+        work = router.dispatch(request.method, path, body, _forward_headers(request), pick)
+        return await _unless_client_leaves(request, work)
+
+    async def from_one(request: Request, path: str) -> Response:
+        return await router.dispatch(request.method, path, None, _forward_headers(request),
+                                     least_loaded)
+
+    # ---- generation ----------------------------------------------------------------------
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        return await generation(request, "/generate")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, "/v1/chat/completions")
+
+    # ---- from one worker -----------------------------------------------------------------
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        return await from_one(request, "/v1/models")
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(request: Request, model: str) -> Response:
+        return await from_one(request, f"/v1/models/{model}")
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> Response:
+        return await from_one(request, "/get_model_info")
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> Response:
+        resp = await from_one(request, "/get_server_info")
+        if resp.status_code == 200:
+            with contextlib.suppress(orjson.JSONDecodeError, TypeError):
+                info = orjson.loads(resp.body)
+                if isinstance(info, dict):
+                    info["router"] = router.info()
+                    return json_response(info)
+        return resp
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        return await from_one(request, "/health_generate")
+
+    # ---- to every worker -----------------------------------------------------------------
+    @app.api_route("/flush_cache", methods=["POST", "GET"])
+    async def flush_cache(request: Request) -> Response:
+        results = await router.broadcast(request.method, "/flush_cache", None,
+                                         _forward_headers(request))
+        router.policy.clear()
+        failed = [f"{w.url}: {status or ''} {data.decode(errors='replace').strip()}"
+                  for w, status, data in results if status != 200]
+        if not results:
+            return PlainTextResponse("Cache not flushed: no healthy worker.\n", status_code=503)
+        if failed:
+            return PlainTextResponse("Cache not flushed on every worker:\n" + "\n".join(failed)
+                                     + "\n", status_code=400)
+        return PlainTextResponse(f"Cache flushed on {len(results)} worker(s).\n")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _read_body(request)
+        if isinstance(body, Response):
+            return body
+        results = await router.broadcast("POST", "/abort_request", body,
+                                         _forward_headers(request))
+        aborted: list[str] = []
+        for _w, status, data in results:
+            if 400 <= status < 500:  # the request itself is wrong: every worker says the same
+                return Response(data, status, media_type="application/json")
+            if status == 200:
+                with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                    aborted += [r for r in orjson.loads(data).get("aborted", [])
+                                if r not in aborted]
+        if not results:
+            return error_response("no healthy worker", 503)
+        return json_response({"aborted": aborted})
+
+    # ---- the router's own ----------------------------------------------------------------
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        if router.healthy():
+            return Response(status_code=200)
+        return error_response("no healthy worker", 503)
+
+    @app.get("/get_router_info")
+    async def get_router_info() -> Response:
+        return json_response(router.info())
+
+    @app.get("/list_workers")
+    async def list_workers() -> Response:
+        return json_response({"urls": list(router.workers),
+                              "workers": [w.info() for w in router.workers.values()]})
+
+    @app.post("/add_worker")
+    async def add_worker(url: str = "") -> Response:
+        if not url:
+            return error_response("pass the worker as a query parameter: /add_worker?url=URL",
+                                  400)
+        try:
+            worker = await router.add_worker(url)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        except KeyError:
+            return error_response(f"worker {url} is already in the router", 400)
+        return json_response({"success": True, "message": f"Successfully added worker: {url}",
+                              "worker": worker.info()})
+
+    @app.post("/remove_worker")
+    async def remove_worker(url: str = "") -> Response:
+        if not url:
+            return error_response("pass the worker as a query parameter: /remove_worker?url=URL",
+                                  400)
+        try:
+            worker = router.remove_worker(url)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        except KeyError:
+            return error_response(f"worker {url} is not in the router", 404)
+        return json_response({"success": True,
+                              "message": f"Successfully removed worker: {worker.url}"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(lambda: router.workers.values(), lambda: router.retries),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser(prog: str = "lockstep router") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Route requests across lockstep servers (the same HTTP API), "
+        "by prefix affinity and load.",
+        epilog="example:\n  lockstep router --worker-urls http://127.0.0.1:30001 "
+        "http://127.0.0.1:30002 --port 30000",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = RouterConfig()
+    p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL",
+                   help="Servers to route to (more can be added at run time: POST /add_worker).")
+    p.add_argument("--policy", choices=POLICIES, default=d.policy, help="How a worker is picked.")
+    p.add_argument("--host", default=d.host, help="Address to listen on.")
+    p.add_argument("--port", type=int, default=d.port, help="Port to listen on.")
+    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                   help="cache_aware: prefix match ratio above which the matching worker wins.")
+    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                   help="cache_aware: imbalanced when max - min load exceeds this ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                   help="... and max load exceeds min load times this.")
+    p.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
+                   help="cache_aware: characters kept per worker's tree (LRU eviction).")
+    p.add_argument("--health-check-interval", type=float, default=d.health_check_interval,
+                   help="Seconds between health checks of every worker.")
+    p.add_argument("--health-check-timeout", type=float, default=d.health_check_timeout,
+                   help="Seconds a worker's /health may take.")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="Seconds a request to a worker may take in all (default: no limit).")
+    p.add_argument("--random-seed", type=int, default=d.random_seed,
+                   help="Seed of the random and power_of_two policies.")
+    p.add_argument("--log-level", default=d.log_level,
+                   choices=["debug", "info", "warning", "error", "critical"])
+    return p
+
+
+def config_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> RouterConfig:
+    cfg = RouterConfig(**{k: v for k, v in vars(ns).items()})
+    try:
+        cfg.worker_urls = [normalize_url(u) for u in cfg.worker_urls]
+    except ValueError as e:
+        parser.error(str(e))
+    if not 0.0 <= cfg.cache_threshold <= 1.0:
+        parser.error("--cache-threshold must be between 0 and 1")
+    if cfg.health_check_interval <= 0 or cfg.health_check_timeout <= 0:
+        parser.error("--health-check-interval and --health-check-timeout must be positive")
+    if cfg.max_tree_size <= 0:
+        parser.error("--max-tree-size must be positive")
+    return cfg
+
+
+def run_router(config: RouterConfig) -> None:
+    import uvicorn
+
+    from lockstep.utils.process import configure_logging
+
+    configure_logging(config.log_level, "router")
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_config=None,
+                log_level=config.log_level, access_log=config.log_level == "debug",
+                timeout_keep_alive=30, timeout_graceful_shutdown=5)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "lockstep router") -> int:
+    parser = build_parser(prog)
+    config = config_from_args(parser, parser.parse_args(
+        list(sys.argv[1:] if argv is None else argv)))
+    run_router(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
