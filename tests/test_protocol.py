@@ -555,3 +555,17 @@ def test_error_body_has_openai_shape():
     assert error_body("boom", 500)["error"]["type"] == "server_error"
     assert error_body("no key", 401)["error"]["type"] == "authentication_error"
     assert ErrorResponse.model_validate(json.loads(json.dumps(body))).error.code == 400
+
+
+def test_incremental_stream_sends_each_logprob_once():
+    from lockstep.entrypoints.http_server import _meta_delta
+
+    outs, ins = [TokenLogprob(-0.1, 1)], [TokenLogprob(None, 5), TokenLogprob(-2.0, 6)]
+    item = _output("r", 2, 1, output_token_logprobs=outs, input_token_logprobs=ins)
+    sent: dict[str, int] = {}
+    first = _meta_delta(item.meta_info(), sent)
+    outs.append(TokenLogprob(-0.2, 2))  # the request's own lists grow with each output
+    second = _meta_delta(item.meta_info(), sent)
+    assert first["output_token_logprobs"] == [(-0.1, 1, None)] and len(first["input_token_logprobs"]) == 2
+    assert second["output_token_logprobs"] == [(-0.2, 2, None)]
+    assert second["input_token_logprobs"] == [] and second["prompt_tokens"] == 2

@@ -82,7 +82,7 @@ class NativeServing:
         return {"text": item.text, "output_ids": item.output_ids, "meta_info": item.meta_info()}
 
     async def _stream(self, fan: Any, count: int, many: bool) -> AsyncIterator[bytes]:
-        sent = [dict(out=0, out_top=0, prompt=False) for _ in range(count)]
+        sent: list[dict[str, int]] = [{} for _ in range(count)]
         try:
             async for index, item in fan.items():
                 if self.incremental:
@@ -98,23 +98,11 @@ class NativeServing:
             fan.close()
 
 
-def _meta_delta(meta: dict[str, Any], sent: dict[str, Any]) -> dict[str, Any]:
-    """Incremental streaming: logprobs only for what is new since the last event."""
-    if "output_token_logprobs" not in meta:
-        return meta
-    meta = dict(meta)
-    outs = meta["output_token_logprobs"]
-    meta["output_token_logprobs"] = outs[sent["out"]:]
-    sent["out"] = len(outs)
-    if "output_top_logprobs" in meta:
-        tops = meta["output_top_logprobs"]
-        meta["output_top_logprobs"] = tops[sent["out_top"]:]
-        sent["out_top"] = len(tops)
-    if sent["prompt"]:
-        meta["input_token_logprobs"] = []
-        if "input_top_logprobs" in meta:
-            meta["input_top_logprobs"] = []
-    sent["prompt"] = True
+def _meta_delta(meta: dict[str, Any], sent: dict[str, int]) -> dict[str, Any]:
+    """Incremental streaming: each logprob list holds only what is new since the last event."""
+    for key, value in meta.items():
+        if key.endswith("_logprobs"):
+            meta[key], sent[key] = value[sent.get(key, 0):], len(value)
     return meta
 
 

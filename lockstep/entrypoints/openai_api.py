@@ -67,7 +67,7 @@ DEFAULT_MODEL_NAME = "gemma-3-270m"
 def finish_of(item: GenerateOutput) -> tuple[str | None, int | str | None]:
     """OpenAI's finish_reason and SGLang's matched_stop."""
     reason = item.finish_reason
-    return (reason.type, reason.matched) if reason is not None else (None, None)
+    return (reason.type, getattr(reason, "matched", None)) if reason is not None else (None, None)
 
 
 def _token_bytes(text: str | None) -> list[int]:

@@ -105,24 +105,10 @@ class _OpenAIRequest(StrictModel):
         raise NotImplementedError
 
     def to_sampling_params(self) -> SamplingParamsModel:
-        return SamplingParamsModel(
-            max_new_tokens=self._max_new_tokens(),
-            min_new_tokens=self.min_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
-            stop=list(self.stop),
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-            n=self.n,
-            seed=self.seed,
-            no_stop_trim=self.no_stop_trim,
-        )
+        # The fields both have by the same name, and OpenAI's names for the two lengths.
+        shared = self.model_dump(include=set(SamplingParamsModel.model_fields))
+        return SamplingParamsModel(**shared, max_new_tokens=self._max_new_tokens(),
+                                   min_new_tokens=self.min_tokens)
 
 
 class CompletionRequest(_OpenAIRequest):

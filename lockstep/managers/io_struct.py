@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -13,50 +14,28 @@ class TokenLogprob(NamedTuple):
     text: str | None = None  # filled in by the tokenizer manager when the client asks for text
 
 
-# ---- finish reasons (SGLang's FINISH_* classes): `to_json()` only at the HTTP/Engine edge
+# ---- finish reasons (SGLang's FINISH_* classes); `to_json()` only at the HTTP/Engine edge
 
 
 @dataclass(frozen=True)
 class BaseFinishReason:
     type: ClassVar[str]  # OpenAI's finish_reason: "stop", "length" or "abort"
 
-    @property
-    def matched(self) -> int | str | None:
-        """The stop token id or stop string that ended the request, if one did."""
-        return None
-
     def to_json(self) -> dict[str, Any]:
-        raise NotImplementedError
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return {"type": self.type, **fields}
 
 
 @dataclass(frozen=True)
-class FINISH_MATCHED_TOKEN(BaseFinishReason):  # noqa: N801 - SGLang's name
-    """A stop token id or an end-of-sequence token."""
-
-    token_id: int
+class FINISH_MATCHED_TOKEN(BaseFinishReason):  # noqa: N801 - SGLang's names
+    matched: int  # a stop token id or an end-of-sequence token
     type: ClassVar[str] = "stop"
-
-    @property
-    def matched(self) -> int:
-        return self.token_id
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.token_id}
 
 
 @dataclass(frozen=True)
 class FINISH_MATCHED_STR(BaseFinishReason):  # noqa: N801
-    """A stop string (found by the detokenizer)."""
-
-    text: str
+    matched: str  # a stop string (the detokenizer finds those)
     type: ClassVar[str] = "stop"
-
-    @property
-    def matched(self) -> str:
-        return self.text
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.text}
 
 
 @dataclass(frozen=True)
@@ -64,24 +43,15 @@ class FINISH_LENGTH(BaseFinishReason):  # noqa: N801
     length: int
     type: ClassVar[str] = "length"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "length", "length": self.length}
-
 
 @dataclass(frozen=True)
 class FINISH_ABORT(BaseFinishReason):  # noqa: N801
-    """Aborted (by the client, the server shutting down, or a request that can never run: then
-    `status_code` is the HTTP status the client gets)."""
+    """By the client, the server shutting down, or a request that can never run: then
+    `status_code` is the HTTP status the client gets."""
 
     message: str = "aborted"
     status_code: int | None = None
     type: ClassVar[str] = "abort"
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": "abort", "message": self.message}
-        if self.status_code is not None:
-            out["status_code"] = self.status_code
-        return out
 
 
 @dataclass

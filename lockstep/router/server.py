@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import orjson
 from fastapi import FastAPI
@@ -103,31 +103,21 @@ def create_app(config: RouterConfig) -> FastAPI:
         return await router.dispatch(request.method, path, None, _forward_headers(request),
                                      least_loaded)
 
-    # ---- generation ----------------------------------------------------------------------
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request) -> Response:
-        return await generation(request, "/generate")
+    # ---- generation, and what one worker answers for all -------------------------------
+    def to(handler: Callable[[Request, str], Awaitable[Response]], path: str) -> Callable:
+        async def route(request: Request) -> Response:  # the path is fixed, never the client's
+            return await handler(request, path)
+        return route
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generation(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await generation(request, "/v1/chat/completions")
-
-    # ---- from one worker -----------------------------------------------------------------
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
-        return await from_one(request, "/v1/models")
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        app.add_api_route(path, to(generation, path),
+                          methods=["POST", "PUT"] if path == "/generate" else ["POST"])
+    for path in ("/v1/models", "/get_model_info", "/health_generate"):
+        app.add_api_route(path, to(from_one, path), methods=["GET"])
 
     @app.get("/v1/models/{model:path}")
     async def get_model(request: Request, model: str) -> Response:
         return await from_one(request, f"/v1/models/{model}")
-
-    @app.get("/get_model_info")
-    async def get_model_info(request: Request) -> Response:
-        return await from_one(request, "/get_model_info")
 
     @app.get("/get_server_info")
     async def get_server_info(request: Request) -> Response:
@@ -139,10 +129,6 @@ def create_app(config: RouterConfig) -> FastAPI:
                     info["router"] = router.info()
                     return json_response(info)
         return resp
-
-    @app.get("/health_generate")
-    async def health_generate(request: Request) -> Response:
-        return await from_one(request, "/health_generate")
 
     # ---- to every worker -----------------------------------------------------------------
     @app.api_route("/flush_cache", methods=["POST", "GET"])
