@@ -285,33 +285,30 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None  # SGLang: the stop string or token id that ended it
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
+
+
+class CompletionChoice(_Choice):  # also a stream chunk's, with text being the delta
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo
 
 
-# A streamed completion chunk's choice has the same fields, with text being the delta.
-CompletionStreamChoice = CompletionChoice
-
-
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionStreamChoice]
+class CompletionStreamResponse(CompletionResponse):
     usage: UsageInfo | None = None
 
 
@@ -346,19 +343,13 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatCompletionChoice(BaseModel):
-    index: int
+class ChatCompletionChoice(_Choice):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    matched_stop: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
 
@@ -381,19 +372,13 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
+class ChatCompletionStreamChoice(_Choice):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    matched_stop: int | str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
 

@@ -5,11 +5,11 @@ replicas report their load back, so dispatch follows real queues rather than gue
 from __future__ import annotations
 
 import logging
-import random
 import sys
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import takewhile
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -51,14 +51,12 @@ class Dispatcher:
 
     def __init__(self, method: str, dp_size: int, cache_threshold: float = 0.5,
                  balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.0001,
-                 max_blocks: int = 1 << 16, seed: int = 0) -> None:
+                 max_blocks: int = 1 << 16) -> None:
         self.method = method
         self.replicas = [ReplicaState() for _ in range(dp_size)]
         self.rule = CacheAwareRule(cache_threshold, balance_abs_threshold, balance_rel_threshold)
         self.max_blocks = max_blocks
         self.next_rr = 0
-        self.rng = random.Random(seed)
-        self.counts = [0] * dp_size
 
     def report(self, r: LoadReport) -> None:
         s = self.replicas[r.dp_rank]
@@ -77,7 +75,6 @@ class Dispatcher:
         else:
             raise ValueError(f"unknown load-balance method {self.method!r}")
         self.replicas[target].sent_since_report += 1
-        self.counts[target] += 1
         if self.method == "cache_aware":
             self._remember(target, req.input_ids)
         return target
@@ -93,17 +90,10 @@ class Dispatcher:
             out.append(h)
         return out
 
-    def _match_blocks(self, s: ReplicaState, chain: list[int]) -> int:
-        n = 0
-        for h in chain:
-            if h not in s.blocks:
-                break
-            n += 1
-        return n
-
     def _cache_aware(self, ids: list[int]) -> int:
         chain = self._chain(ids)
-        matched = [self._match_blocks(s, chain) * BLOCK / max(1, len(ids)) for s in self.replicas]
+        matched = [sum(1 for _ in takewhile(s.blocks.__contains__, chain)) * BLOCK / max(1, len(ids))
+                   for s in self.replicas]
         target, _why = self.rule.choose([s.load for s in self.replicas], matched,
                                         [len(s.blocks) for s in self.replicas])
         return target
@@ -134,8 +124,7 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
             s.connect(addr)
             outs.append(s)
         dispatcher = Dispatcher(args.load_balance_method, args.dp_size, args.dp_cache_threshold,
-                                args.dp_balance_abs_threshold, args.dp_balance_rel_threshold,
-                                seed=args.random_seed)
+                                args.dp_balance_abs_threshold, args.dp_balance_rel_threshold)
     except Exception as e:  # noqa: BLE001
         pipe.send({"status": "error", "message": f"data-parallel controller: {e}"})
         sys.exit(1)
