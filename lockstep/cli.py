@@ -9,7 +9,8 @@ import inspect
 import pkgutil
 import sys
 from collections.abc import Sequence
-from typing import Any
+
+from lockstep.server_args import ServerArgs
 
 DESCRIPTION = "lockstep: an SGLang-compatible LLM serving runtime (peer schedulers in lockstep)."
 SERVE_DESCRIPTION = """\
@@ -22,15 +23,9 @@ SERVE_EPILOG = """examples:
   lockstep serve --tp-size 2 --max-total-tokens 65536 --api-key sk-local
   curl http://127.0.0.1:30000/generate -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 16}}'"""
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    from lockstep.server_args import ServerArgs
-
-    ServerArgs.add_cli_args(parser)
 
 
-def server_args_from(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Any:
-    from lockstep.server_args import ServerArgs
-
+def server_args_from(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
     try:
         return ServerArgs.from_cli_args(ns)
     except ValueError as e:
@@ -41,7 +36,7 @@ def serve_parser(prog: str = "lockstep serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, usage="%(prog)s [OPTIONS]", description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_server_args(parser)
+    ServerArgs.add_cli_args(parser)
     return parser
 
 

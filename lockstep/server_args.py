@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import tempfile
 import typing
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lockstep.function_call.registry import TOOL_CALL_PARSERS
 from lockstep.layers.quantization import QUANTIZATION_METHODS, quantization_problems
+from lockstep.utils.process import free_port
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
@@ -32,7 +35,6 @@ class ServerArgs:
     """Every server option, and the one table the command line is built from (`add_cli_args`):
     each field's flag is --its-name, typed by its annotation; booleans get --no-... too."""
 
-    # ---- model
     model_path: str | None = arg(
         None, "GGUF file or HF directory; default: Gemma 3 270M (bundled).", "model")
     tokenizer_path: str | None = arg(None, "Defaults to the model's own.", "model")
@@ -54,7 +56,6 @@ class ServerArgs:
               "activations (--device cpu, --dtype auto or float32).", "model",
         choices=list(QUANTIZATION_METHODS))
     context_length: int | None = arg(None, "Override the model's.", "model")
-    # ---- server
     host: str = arg("127.0.0.1", "Address to listen on.", "server")
     port: int = arg(30000, "Port to listen on.", "server")
     api_key: str | None = arg(None, "Bearer key required on every route but /health.", "server")
@@ -72,7 +73,6 @@ class ServerArgs:
     max_batch_size: int = arg(
         1024, "Most generations one HTTP request may fan out into (prompts x n); more get 400.",
         "server")
-    # ---- memory
     max_total_tokens: int | None = arg(None, "KV pool size in tokens.", "memory")
     mem_fraction_static: float = arg(
         0.2, "Share of free memory for the KV pool when --max-total-tokens is unset.", "memory")
@@ -80,7 +80,6 @@ class ServerArgs:
     max_queued_requests: int | None = arg(
         None, "Most requests waiting beyond the running ones; past it a 503 with Retry-After.",
         "memory")
-    # ---- scheduling
     schedule_policy: str = arg(
         "fcfs", "Order in which waiting requests are admitted (lpm: longest prefix match).",
         "scheduling", choices=list(SCHEDULE_POLICIES))
@@ -106,7 +105,6 @@ class ServerArgs:
         300.0, "Seconds a scheduler may hold work without finishing a step before it dumps "
                "every thread's stack to the log and brings the server down (0 = off).",
         "scheduling")
-    # ---- parallelism
     tp_size: int = arg(1, "Tensor-parallel ranks per replica.", "parallelism")
     pp_size: int = arg(1, "Pipeline stages per replica.", "parallelism")
     pp_micro_batches: int | None = arg(
@@ -176,13 +174,6 @@ class ServerArgs:
             return False
         return self.device == "cuda" or bool(self.enable_overlap_schedule)
 
-    def replace(self, **changes: Any) -> ServerArgs:
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """One flag per field, filed under its group in --help."""
@@ -231,20 +222,11 @@ class PortArgs:
 
     @staticmethod
     def new(args: ServerArgs) -> PortArgs:
-        import tempfile
-        import uuid
-
-        from lockstep.utils.process import free_port
-
         base = f"ipc://{tempfile.gettempdir()}/lockstep-{uuid.uuid4().hex[:12]}"
         dist = args.dist_init_addr or f"127.0.0.1:{free_port()}"
         return PortArgs(f"{base}-tok", f"{base}-sched", f"{base}-detok", dist, f"{base}-load")
 
     def for_replica(self, dp_rank: int) -> PortArgs:
         """A replica's own input socket and torch.distributed rendezvous."""
-        import dataclasses
-
-        from lockstep.utils.process import free_port
-
         return dataclasses.replace(self, scheduler_input_ipc=f"{self.scheduler_input_ipc}-dp{dp_rank}",
                                    dist_init_addr=f"127.0.0.1:{free_port()}")

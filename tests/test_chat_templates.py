@@ -84,18 +84,6 @@ def test_chatml_matches_qwen_format():
     )
 
 
-def test_text_parts_are_concatenated_and_other_parts_rejected():
-    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
-    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["chatml"],
-                      [{"role": "user", "content": parts}])
-    assert out == "<|im_start|>user\nHello, world<|im_end|>\n<|im_start|>assistant\n"
-    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
-    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\].*'image_url'.*only text"):
-        render_chat(_tok(),
-            BUILTIN_CHAT_TEMPLATES["chatml"], [{"role": "user", "content": [parts[0], image]}]
-        )
-
-
 def test_transformers_style_environment():
     template = (
         "{% for m in messages %}{% generation %}{{ m | tojson }}{% endgeneration %}\n"
@@ -119,8 +107,6 @@ def test_bad_template_and_sandbox_escape_are_chat_template_errors():
             "{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
             [{"role": "user", "content": "x"}],
         )
-    with pytest.raises(ChatTemplateError, match="non-empty list"):
-        render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["chatml"], [])
 
 
 def test_resolve_order(tmp_path):

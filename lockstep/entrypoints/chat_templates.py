@@ -117,41 +117,14 @@ def render_chat(
     tools: list[dict] | None = None,
     extra_context: Mapping[str, Any] | None = None,
 ) -> str:
-    """Renders messages to a prompt string; ChatTemplateError (a ValueError) on bad input.
-    `extra_context` reaches the template as variables (bos_token etc. override the tokenizer's)."""
+    """Renders messages (validated at the HTTP edge: text content) to a prompt string;
+    ChatTemplateError (a ValueError) when the template refuses them. `extra_context` reaches the
+    template as variables (bos_token etc. override the tokenizer's)."""
     try:
         return tokenizer.apply_chat_template(
-            _text_only_messages(messages), tools=tools, chat_template=template, tokenize=False,
+            messages, tools=tools, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt, **(extra_context or {}))
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"invalid chat template (line {e.lineno}): {e.message}") from e
     except jinja2.TemplateError as e:
         raise ChatTemplateError(str(e) or type(e).__name__) from e
-
-
-def _text_only_messages(messages: list[dict]) -> list[dict]:
-    """Copies of the messages whose content is a plain string (text parts concatenated)."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatTemplateError("messages must be a non-empty list")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise ChatTemplateError(f"messages[{i}] must be an object with a string role")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, Mapping) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ChatTemplateError(
-                        f"messages[{i}].content[{j}]: content parts of type {kind!r} are not "
-                        "supported; only text parts are"
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise ChatTemplateError(f"messages[{i}].content must be a string or a list of parts")
-        out.append({**message, "content": content})
-    return out

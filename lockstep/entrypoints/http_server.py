@@ -21,6 +21,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
+from lockstep import __version__
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
 from lockstep.entrypoints.fanout import check_fanout, run_to_completion, start_stream
@@ -44,12 +45,6 @@ from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, ErrorResponse, error_response, json_response, sse
 
 HEALTH_GENERATE_TIMEOUT = 60.0
-
-
-def version() -> str:
-    from lockstep import __version__
-
-    return __version__
 
 
 def _operation_id(route: APIRoute) -> str:
@@ -124,7 +119,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
         tm.start()
         yield
 
-    app = FastAPI(title="lockstep", version=version(), lifespan=lifespan,
+    app = FastAPI(title="lockstep", version=__version__, lifespan=lifespan,
                   description="SGLang's native API and OpenAI's, served by lockstep.",
                   openapi_url="/openapi.json", docs_url=None, redoc_url=None,
                   generate_unique_id_function=_operation_id,
@@ -178,7 +173,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
         if info.get("api_key"):
             info["api_key"] = "<redacted>"
         info.update(
-            version=version(), max_total_num_tokens=tm.max_total_num_tokens,
+            version=__version__, max_total_num_tokens=tm.max_total_num_tokens,
             context_len=tm.context_len, vocab_size=tm.vocab_size,
             num_running_requests=tm.num_running, uptime_s=round(time.time() - started, 3),
         )

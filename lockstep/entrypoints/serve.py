@@ -51,11 +51,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(args: ServerArgs) -> str:
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    return f"http://{host}:{args.port}"
-
-
 class StartupResponder:
     """While the processes start: every request on the (already listening) socket gets a 503
     with Retry-After, so that load balancers and clients see "starting" rather than a refused
@@ -214,7 +209,8 @@ def launch_server(args: ServerArgs) -> None:
                 logger.info("model %s: context %s tokens, KV pool %s tokens",
                             args.model_path or "(default) Gemma 3 270M", info.get("context_len"),
                             info.get("max_total_num_tokens"))
-                logger.info("serving on %s", _url(args))
+                host = f"[{args.host}]" if ":" in args.host else args.host
+                logger.info("serving on http://%s:%s", host, args.port)
 
             task = asyncio.get_running_loop().create_task(announce())
             try:

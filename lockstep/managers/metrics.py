@@ -25,7 +25,6 @@ class Metrics:
     output tokens of live requests against the pool (the prefix cache's idle entries excluded)."""
 
     def __init__(self, tm: TokenizerManager, model_name: str) -> None:
-        self.tm = tm
         self.registry = CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
         self.labels = {"model_name": model_name}
@@ -49,33 +48,25 @@ class Metrics:
                              ).labels(**self.labels)
         self.e2e = Histogram("lockstep:e2e_request_latency_seconds", "End-to-end request latency.",
                              labels, buckets=latency, registry=reg).labels(**self.labels)
+        states = tm.states.values
         gauges = {
-            "lockstep:num_running_reqs": ("Requests generating tokens.", self._running),
-            "lockstep:num_queue_reqs": ("Requests waiting for their first token.", self._queued),
-            "lockstep:token_usage": ("Share of the KV pool held by live requests.", self._usage),
+            "lockstep:num_running_reqs": ("Requests generating tokens.", lambda: sum(
+                s.first_token_time is not None for s in states())),
+            "lockstep:num_queue_reqs": ("Requests waiting for their first token.", lambda: sum(
+                s.first_token_time is None for s in states())),
+            "lockstep:token_usage": ("Share of the KV pool held by live requests.", lambda: min(
+                1.0, sum(len(s.prompt_ids) + len(s.output_ids) for s in states())
+                / max(1, tm.max_total_num_tokens))),
             "lockstep:cache_hit_rate": ("Prompt tokens served from the prefix cache / all.",
-                                        self._hit_rate),
+                                        lambda: self._cached_total / max(1, self._prompt_total)),
             "lockstep:max_total_num_tokens": ("KV pool size in tokens.",
-                                              lambda: float(tm.max_total_num_tokens)),
+                                              lambda: tm.max_total_num_tokens),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, labels, registry=reg).labels(**self.labels).set_function(fn)
         self._prompt_total = 0
         self._cached_total = 0
         tm.observers.append(self.observe)
-
-    def _running(self) -> float:
-        return float(sum(1 for s in self.tm.states.values() if s.first_token_time is not None))
-
-    def _queued(self) -> float:
-        return float(sum(1 for s in self.tm.states.values() if s.first_token_time is None))
-
-    def _usage(self) -> float:
-        used = sum(len(s.prompt_ids) + len(s.output_ids) for s in self.tm.states.values())
-        return min(1.0, used / max(1, self.tm.max_total_num_tokens))
-
-    def _hit_rate(self) -> float:
-        return self._cached_total / self._prompt_total if self._prompt_total else 0.0
 
     def observe(self, state: ReqState, out: ReqOutput, now: float) -> None:
         """Called with each output before the request's state takes it in."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -70,9 +71,7 @@ class Worker:
     checked_at: float | None = None
 
     def info(self) -> dict[str, Any]:
-        return {"url": self.url, "healthy": self.healthy, "load": self.load,
-                "requests": self.requests, "completed": self.completed, "failed": self.failed,
-                "last_error": self.last_error}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "checked_at"}
 
 
 @dataclass

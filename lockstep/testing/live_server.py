@@ -13,13 +13,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from lockstep.utils.process import free_port
-
-
-def _die_with_parent() -> None:  # runs in the child before exec: never outlive the test run
-    from lockstep.utils.process import die_with_parent
-
-    die_with_parent()
+from lockstep.utils.process import die_with_parent, free_port
 
 
 class LiveServer:
@@ -34,7 +28,7 @@ class LiveServer:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "lockstep.launch_server", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)  # never outlive the test run
         self.child_pids: list[int] = []
         # What /health answered while the server started, in order, without repeats (None: the
         # connection was refused): [None, 503, 200] when it says "starting" before "ready".
