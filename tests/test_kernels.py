@@ -351,3 +351,16 @@ def test_linear_bf16_api_serves_compiled_where_it_can() -> None:
     assert_close_to_reference(y, ref, 256)
     expect = kernel_variant() == "avx512" and not missing_flags("amx_bf16")
     assert has_bf16_kernel("Q8_0") == expect
+
+
+def test_public_api_on_rows_the_kernels_do_not_take() -> None:
+    """Float rows that are not whole 32-element groups go to the reference, with the same answers."""
+    from lockstep.kernels import embedding, linear
+
+    blocks = random_blocks("F16", 9, 40, seed=11)
+    x = torch.randn(3, 40)
+    assert_close_to_reference(linear(x, blocks, "F16", 40), reference(x, blocks, "F16", 40), 40)
+    ids = torch.tensor([[1, 8, 0], [2, 2, 5]])
+    assert torch.equal(embedding(ids, blocks, "F16", 40), dequantize("F16", blocks, 40)[ids])
+    q8 = random_blocks("Q8_0", 9, 64, seed=12)
+    assert embedding(ids, q8, "Q8_0", 64).shape == (2, 3, 64)

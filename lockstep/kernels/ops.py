@@ -21,6 +21,12 @@ def has_kernel(qtype: str) -> bool:
     return qtype in GGML_BLOCKS and selected()[1] is not None
 
 
+def _compiled_serves(x: torch.Tensor, blocks: torch.Tensor, n_cols: int) -> bool:
+    """The compiled kernels take CPU tensors, rows of whole 32-element groups, bytes contiguous in a row."""
+    return (selected()[1] is not None and n_cols % _GROUP == 0 and blocks.stride(1) == 1
+            and x.device.type == "cpu" and blocks.device.type == "cpu")
+
+
 def _check_x(x: torch.Tensor, n_cols: int) -> None:
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != n_cols:
         raise ValueError(f"linear takes float32 x [M, {n_cols}], got {x.dtype} {list(x.shape)}")
@@ -34,9 +40,8 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> to
     """
     check_blocks(qtype, blocks, n_cols)
     _check_x(x, n_cols)
-    module = selected()[1]
-    if module is not None and n_cols % _GROUP == 0 and blocks.stride(1) == 1:
-        return module.linear(x.contiguous(), blocks, qtype, n_cols)
+    if _compiled_serves(x, blocks, n_cols):
+        return selected()[1].linear(x.contiguous(), blocks, qtype, n_cols)
     return x @ dequantize(qtype, blocks, n_cols).T
 
 
@@ -44,9 +49,8 @@ def embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) 
     """Rows `ids` of the blocks, dequantized: float32 [*ids.shape, n_cols] (ids must be in range)."""
     check_blocks(qtype, blocks, n_cols)
     flat = ids.reshape(-1).to(torch.int64)
-    module = selected()[1]
-    if module is not None and n_cols % _GROUP == 0 and blocks.stride(1) == 1:
-        out = module.embedding(flat.contiguous(), blocks, qtype, n_cols)
+    if _compiled_serves(flat, blocks, n_cols):
+        out = selected()[1].embedding(flat.contiguous(), blocks, qtype, n_cols)
     else:
         out = dequantize(qtype, blocks[flat], n_cols)
     return out.reshape(*ids.shape, n_cols)
@@ -68,6 +72,6 @@ def linear_bf16(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) 
     check_blocks(qtype, blocks, n_cols)
     _check_x(x, n_cols)
     xb = x.to(torch.bfloat16).contiguous()
-    if has_bf16_kernel(qtype) and n_cols % _GROUP == 0 and blocks.stride(1) == 1:
+    if has_bf16_kernel(qtype) and _compiled_serves(x, blocks, n_cols):
         return selected()[1].linear_amx_bf16(xb, blocks, qtype, n_cols)
     return (xb @ dequantize(qtype, blocks, n_cols).to(torch.bfloat16).T).float()

@@ -388,13 +388,15 @@ void check_blocks(const at::Tensor& blocks, int64_t k) {
   // rows may be strided (a slice of whole blocks of a wider tensor), bytes within a row contiguous
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1,
               "blocks must be uint8 [N, row_bytes] with contiguous rows");
+  TORCH_CHECK(blocks.device().is_cpu(), "the lockstep kernels run on CPU tensors");
   TORCH_CHECK(k > 0 && k % 32 == 0, "the kernels take rows of whole 32-element groups, got ", k);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& qtype, int64_t k) {
   check_blocks(blocks, k);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == k,
-              "x must be contiguous float32 [M, ", k, "]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
+                  x.device().is_cpu(),
+              "x must be contiguous float32 [M, ", k, "] on the CPU");
   const int64_t m = x.size(0), n = blocks.size(0), rb = blocks.stride(0), groups = k / 32;
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
