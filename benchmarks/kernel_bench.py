@@ -95,7 +95,13 @@ def model_step(modules: dict, reps: int, batches: list[int]) -> None:
             for (_, _, k), w in zip(weights, floats):
                 F.linear(xs[k], w)
 
+        def amx(mod=modules.get("avx512"), xs=xs):
+            for b, q, k in weights:
+                mod.linear_amx_bf16(xs[k].bfloat16(), b, q, k)
+
         funcs = {v: (lambda mod=mod: kernel(mod)) for v, mod in modules.items()}
+        if "avx512" in modules and not missing_flags("amx_bf16"):
+            funcs["amx bf16 (opt-in)"] = amx
         funcs["torch f32"] = torch_f32
         times = rounds(funcs, reps)
         print(f"step M={m}: " + " | ".join(
