@@ -35,11 +35,19 @@ AMX_TARGET void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// row of floats -> bfloat16 (round to nearest even, as torch rounds)
-AMX_TARGET void to_bf16(const float* in, uint16_t* out, int64_t k) {
-  for (int64_t i = 0; i < k; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i))));
+// one W row dequantized (exactly as dequant_row) and rounded to bfloat16 (nearest even, as torch rounds)
+template <class T>
+AMX_TARGET void dequant_row_bf16(const uint8_t* row, int64_t groups, uint16_t* out) {
+  typename T::Scales scales;
+  for (int64_t b = 0; b < groups; ++b) {
+    if (b % T::kPer == 0) T::prepare(row, b / T::kPer, scales);
+    V w0, w1;
+    T::load32(row, b, scales, w0, w1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * b),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w0.v)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * b + 16),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w1.v)));
+  }
 }
 
 // W rows [b0 * 32, b1 * 32) against all of x (a lambda cannot carry the AMX target attribute)
@@ -49,14 +57,12 @@ AMX_TARGET void amx_rows(const uint8_t* w, int64_t rb, const uint32_t* xp, int64
   {
     amx_configure();  // tile configuration is per thread
     std::vector<uint16_t> a(static_cast<size_t>(kAmxRows * k));
-    std::vector<float> row(static_cast<size_t>(k));
     alignas(64) float c[4][16][16];
     for (int64_t nb = b0; nb < b1; ++nb) {
       const int64_t n0 = nb * kAmxRows, rows = std::min(kAmxRows, n - n0);
       for (int64_t r = 0; r < kAmxRows; ++r) {
         if (r < rows) {
-          dequant_row<T>(w + (n0 + r) * rb, groups, row.data());
-          to_bf16(row.data(), a.data() + r * k, k);
+          dequant_row_bf16<T>(w + (n0 + r) * rb, groups, a.data() + r * k);
         } else {
           std::fill(a.begin() + r * k, a.begin() + (r + 1) * k, 0);
         }
