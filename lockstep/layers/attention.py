@@ -1,8 +1,10 @@
-"""Attention over the paged KV pool, batched across requests of different lengths.
+"""Attention over the paged KV pool.
 
-Every layer writes its new K/V into the pool first, then gathers each request's keys by slot
-and runs one masked SDPA over the padded [batch, query, key] grid. No Python loop over tokens
-or requests."""
+Every layer writes its new K/V into the pool first, then gathers each request's keys by slot.
+On a CPU each request's attention then runs on its own exact [query, key] shapes, so its numbers
+are bitwise the same whatever it is batched with (padding a request to its neighbours' lengths
+changes how the softmax and the value sums are blocked, and so their rounding). On a GPU one
+masked SDPA runs over the padded [batch, query, key] grid."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.mem_cache.memory_pool import TokenToKVPool
-from lockstep.model_executor.forward_batch import ForwardBatch
+from lockstep.model_executor.forward_batch import AttentionMetadata, ForwardBatch
 
 
 class PagedAttention(nn.Module):
@@ -30,6 +32,12 @@ class PagedAttention(nn.Module):
         meta = fb.attn
         assert meta is not None, "ForwardBatch.build_attention must run before the model"
         pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
+        if q.device.type == "cpu":
+            return self._per_request(q, meta, pool)
+        return self._batched(q, fb, meta, pool)
+
+    def _batched(self, q: torch.Tensor, fb: ForwardBatch, meta: AttentionMetadata,
+                 pool: TokenToKVPool) -> torch.Tensor:
         b, qn = fb.batch_size, meta.max_q
         keys = self._gather(pool.k_buffer[self.layer_id], meta.kv_indices)  # [B, Hkv, L, D]
         vals = self._gather(pool.v_buffer[self.layer_id], meta.kv_indices)
@@ -51,6 +59,39 @@ class PagedAttention(nn.Module):
             out = self._matmul_attention(qp, keys, vals, mask)
         out = out.transpose(1, 2).reshape(b * qn, self.n_heads * self.head_dim)
         return out if qn == 1 and q.shape[0] == b else out[meta.q_scatter]
+
+    def _per_request(self, q: torch.Tensor, meta: AttentionMetadata,
+                     pool: TokenToKVPool) -> torch.Tensor:
+        # One gather for the batch; each request then reads its own slice, laid out in memory as
+        # it would be alone.
+        keys_all = self._gather(pool.k_buffer[self.layer_id], meta.kv_indices)  # [B, Hkv, L, D]
+        vals_all = self._gather(pool.v_buffer[self.layer_id], meta.kv_indices)
+        outs = []
+        for r, (start, qn, kn) in enumerate(meta.spans):
+            qr = q[start:start + qn].unsqueeze(0).transpose(1, 2)  # [1, H, Q, D]
+            if qn == 1:  # decode: the visible keys are one range, no mask needed
+                lo = 0 if self.window is None else max(0, kn - self.window)
+                out = self._one_query(qr, keys_all[r:r + 1, :, lo:kn], vals_all[r:r + 1, :, lo:kn])
+            else:
+                keys, vals = keys_all[r:r + 1, :, :kn], vals_all[r:r + 1, :, :kn]
+                mask = meta.masks[self.window][r:r + 1, :, :qn, :kn]
+                if self.softcap is None:
+                    out = F.scaled_dot_product_attention(
+                        qr, keys, vals, attn_mask=mask, scale=self.scaling,
+                        enable_gqa=self.n_heads != self.n_kv_heads)
+                else:
+                    out = self._matmul_attention(qr, keys, vals, mask)
+            outs.append(out.transpose(1, 2).reshape(qn, self.n_heads * self.head_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _one_query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [1, H, 1, D]; k, v: [1, Hkv, L, D], every key visible -> [1, H, 1, D]."""
+        h, d = q.shape[1], q.shape[3]
+        hkv = k.shape[1]
+        scores = torch.matmul(q.reshape(1, hkv, h // hkv, d), k.transpose(-1, -2)).mul_(self.scaling)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        return torch.matmul(scores.softmax(-1), v).view(1, h, 1, d)
 
     @staticmethod
     def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ class AttentionMetadata:
     q_scatter: torch.Tensor  # [T] flat token -> row in the padded [B * Q] query grid
     max_q: int
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B,1,Q,L]
+    # Per request: (first flat query row, queries, keys), for attention one request at a time.
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -67,7 +69,9 @@ class ForwardBatch:
             m = m | (padded_q[:, :, None] & (k_idx == 0)[None, None, :])
             masks[w] = m.unsqueeze(1)
         kv = torch.where(k_idx[None, :] < seq[:, None], kv, 0)
-        self.attn = AttentionMetadata(kv, row_of_token * max_q + col_of_token, max_q, masks)
+        spans = list(zip(starts.tolist(), ext.tolist(), seq.tolist()))
+        self.attn = AttentionMetadata(kv, row_of_token * max_q + col_of_token, max_q, masks,
+                                      spans)
 
 
 def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:
