@@ -168,7 +168,7 @@ def test_linear_matches_reference_and_is_batch_invariant(variant: str, qtype: st
     for n in (1, 37):  # one row; rows not a multiple of any tile
         blocks = random_blocks(qtype, n, k, seed=n)
         x = torch.randn(64, k, generator=g)
-        for m in (1, 2, 7, 32, 64):
+        for m in (1, 2, 3, 4, 7, 32, 64):
             xm = x[:m].contiguous()
             y = mod.linear(xm, blocks, qtype, k)
             assert_close_to_reference(y, reference(xm, blocks, qtype, k), k)

@@ -304,7 +304,8 @@ inline void tile(const uint8_t* w, int64_t wstride, const float* x, int64_t xs, 
     UNROLL for (int j = 0; j < NT; ++j) y[i * ys + j] = reduce32(acc[i][j][0], acc[i][j][1]);
 }
 
-// M = 1 to 3: stream W once, dequantizing in registers (a panel buffer costs more than it saves here).
+// M = 1 to 3 (4 on AVX-512): stream W once, dequantizing in registers (a panel buffer costs more than
+// it saves here).
 template <class T, int MT, int NT>
 void gemv(const uint8_t* w, int64_t rb, const float* x, int64_t k, float* y, int64_t n, int64_t groups) {
   const int64_t tiles = (n + NT - 1) / NT;
@@ -411,6 +412,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const std::stri
       gemv<T, 2, kSmallRows>(w, rb, xp, k, yp, n, groups);
     else if (m == 3)
       gemv<T, 3, kSmallRows>(w, rb, xp, k, yp, n, groups);
+#ifdef LOCKSTEP_AVX512
+    else if (m == 4)  // 16 accumulators, 4 weight and 2 input registers: still fits 32
+      gemv<T, 4, kSmallRows>(w, rb, xp, k, yp, n, groups);
+#endif
     else
       gemm<T>(w, rb, xp, yp, m, n, k, groups);
   });
