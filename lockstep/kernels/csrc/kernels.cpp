@@ -263,7 +263,7 @@ struct Q6_K {
 // ---------------------------------------------------------------- tiles
 #ifdef LOCKSTEP_AVX512
 constexpr int kGemvRows = 4;  // W rows per tile at M = 1
-constexpr int kSmallRows = 2;  // at M = 2, 3
+constexpr int kSmallRows = 2;  // W rows per tile at M = 2 to 4
 constexpr int kTileM = 4, kTileN = 2;
 #else
 constexpr int kGemvRows = 2;
@@ -344,7 +344,7 @@ void panel_rows(const float* wp, int64_t k, int64_t rows, const float* x, float*
   for (; j < rows; ++j) tile<F32, MT, 1, false>(wb + j * stride, stride, x, k, y + j, n, groups);
 }
 
-// M > 1: dequantize a panel of W rows once into a float buffer, then run every M tile over it.
+// Larger M: dequantize a panel of W rows once into a float buffer, then run every M tile over it.
 template <class T>
 void gemm(const uint8_t* w, int64_t rb, const float* x, float* y, int64_t m, int64_t n, int64_t k,
           int64_t groups) {
@@ -358,6 +358,10 @@ void gemm(const uint8_t* w, int64_t rb, const float* x, float* y, int64_t m, int
       int64_t i = 0;
       for (; i + kTileM <= m; i += kTileM)
         panel_rows<kTileM>(buf.data(), k, rows, x + i * k, y + i * n + r0, n, groups);
+      if (i + 2 <= m) {
+        panel_rows<2>(buf.data(), k, rows, x + i * k, y + i * n + r0, n, groups);
+        i += 2;
+      }
       for (; i < m; ++i) panel_rows<1>(buf.data(), k, rows, x + i * k, y + i * n + r0, n, groups);
     }
   });
