@@ -364,3 +364,21 @@ def test_public_api_on_rows_the_kernels_do_not_take() -> None:
     assert torch.equal(embedding(ids, blocks, "F16", 40), dequantize("F16", blocks, 40)[ids])
     q8 = random_blocks("Q8_0", 9, 64, seed=12)
     assert embedding(ids, q8, "Q8_0", 64).shape == (2, 3, 64)
+
+
+def test_a_damaged_build_serves_torch_then_rebuilds(tmp_path) -> None:
+    """A cached .so that will not load: the torch path serves, and the next start compiles afresh."""
+    from lockstep.kernels.build import _build_dir, missing_flags
+
+    if missing_flags("avx2"):
+        pytest.skip(f"this CPU lacks {', '.join(missing_flags('avx2'))}: nothing would be compiled")
+    name, where = _build_dir("avx2")
+    build_dir = tmp_path / "kernels" / where.name
+    build_dir.mkdir(parents=True)
+    (build_dir / f"{name}.so").write_bytes(b"not an ELF file")
+    (build_dir / "built").write_text("x")
+    env = {"LOCKSTEP_CACHE_DIR": str(tmp_path), "LOCKSTEP_KERNEL_ISA": "avx2", "CXX": str(tmp_path / "no-c++")}
+    result, log = run_probe(env)
+    assert result == "RESULT torch False"
+    assert "loading the built avx2 kernels failed" in log
+    assert not (build_dir / "built").exists()  # so the next start compiles it again

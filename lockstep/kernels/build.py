@@ -119,7 +119,11 @@ def load_variant(variant: str) -> ModuleType:
                 module = _compile(variant, name, build_dir)
                 done.write_text(torch.__version__)
                 return module
-    return _import_built(name, build_dir / f"{name}.so")
+    try:
+        return _import_built(name, build_dir / f"{name}.so")
+    except (ImportError, OSError) as e:
+        done.unlink(missing_ok=True)  # a damaged build: the next process compiles it again
+        raise KernelBuildError(f"loading the built {variant} kernels failed: {e}") from e
 
 
 def _compile(variant: str, name: str, build_dir: Path) -> ModuleType:
@@ -171,7 +175,7 @@ def selected() -> tuple[str, ModuleType | None]:
         return "torch", None
     try:
         module = load_variant(variant)
-    except KernelBuildError as e:
+    except (KernelBuildError, OSError) as e:  # OSError: e.g. a cache directory we may not write
         logger.warning("lockstep CPU kernels unavailable, serving on the torch reference: %s", e)
         return "torch", None
     logger.info("lockstep CPU kernels: %s variant%s", variant, " (forced)" if forced else "")
