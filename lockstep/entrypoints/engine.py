@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -376,8 +377,6 @@ class Engine:
         return self._call(self.tokenizer_manager.flush_cache()).success
 
     def get_server_info(self) -> dict[str, Any]:
-        import dataclasses
-
         info = dataclasses.asdict(self.server_args)
         info.update(max_total_num_tokens=self.tokenizer_manager.max_total_num_tokens,
                     context_len=self.tokenizer_manager.context_len,

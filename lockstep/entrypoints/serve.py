@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import uvicorn
 
+from lockstep.entrypoints.chat_templates import ChatTemplateError, resolve_chat_template
 from lockstep.entrypoints.engine import (
     Launched,
     LaunchError,
@@ -31,6 +32,7 @@ from lockstep.managers.io_struct import FINISH_ABORT
 from lockstep.managers.tokenizer_manager import RETRY_AFTER_S
 from lockstep.server_args import ServerArgs
 from lockstep.utils.http import error_body
+from lockstep.utils.process import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +157,8 @@ class DrainingServer(uvicorn.Server):
 
 def launch_server(args: ServerArgs) -> None:
     """Start every process, serve until SIGINT/SIGTERM, then end them all."""
-    from lockstep.utils.process import configure_logging
-
     configure_logging(args.log_level, "server")
     if args.chat_template:
-        from lockstep.entrypoints.chat_templates import ChatTemplateError, resolve_chat_template
-
         try:
             resolve_chat_template(args.chat_template, None, "", [])
         except ChatTemplateError as e:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.managers.generate_request import GenerateReqInput
 from lockstep.managers.io_struct import BaseFinishReason, SamplingParams, TokenizedGenerateReq
 from lockstep.managers.scheduler import Scheduler, create_scheduler
 from lockstep.server_args import ServerArgs
@@ -58,19 +60,15 @@ def run_to_completion(sched: Scheduler, schedule: dict[int, list[Any]] | list[An
 def generate_through(launched: Any, prompts: list[list[int]], max_new: int,
                      concurrent: bool = True) -> list[list[int]]:
     """Greedy-generate through a launched server's TokenizerManager (real processes, real ZMQ)."""
-    import asyncio
-
-    from lockstep.managers.generate_request import GenerateReqInput
-
     tm = launched.tokenizer_manager
 
-    async def one(ids: list[int]) -> list[int]:
-        req = GenerateReqInput(input_ids=ids, sampling_params={
+    async def one(prompt: list[int]) -> list[int]:
+        req = GenerateReqInput(input_ids=prompt, sampling_params={
             "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
-        ids: list[int] = []
+        output_ids: list[int] = []
         async for out in tm.generate(req):
-            ids = out.output_ids
-        return ids
+            output_ids = out.output_ids
+        return output_ids
 
     async def main() -> list[list[int]]:
         if concurrent:
