@@ -134,8 +134,8 @@ BAD_INPUTS = [
     ),
     (
         GenerateReqInput,
-        {"text": "a", "sampling_params": {"regex": "a+"}},
-        "sampling_params.regex: unknown field",
+        {"text": "a", "sampling_params": {"regex": "a+", "ebnf": 'root ::= "a"'}},
+        "sampling_params: Only one of regex, json_schema, or ebnf can be set.",
     ),
     (
         GenerateReqInput,

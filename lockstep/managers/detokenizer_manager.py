@@ -48,6 +48,7 @@ class DetokenizerManager:
                     self.tokenizer, skip_special_tokens=p.skip_special_tokens if p else True,
                     spaces_between_special_tokens=p.spaces_between_special_tokens if p else True,
                     stop=p.stop if p else (), no_stop_trim=p.no_stop_trim if p else False,
+                    stop_regex=p.stop_regex if p else (),
                 )
                 self.states[o.rid] = det
             res = det.push(o.new_token_ids)

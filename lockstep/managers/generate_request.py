@@ -21,8 +21,16 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     model_validator,
+)
+
+from lockstep.constrained.constraint import (
+    Constraint,
+    ConstraintError,
+    check_stop_regex,
+    constraint_from_fields,
 )
 
 INT32_MAX = 2**31 - 1
@@ -108,6 +116,19 @@ StopList = Annotated[
     list[NonEmptyStr], Field(max_length=_MAX_STOP_STRINGS), BeforeValidator(_stop_to_list)
 ]
 TopK = Annotated[int, AfterValidator(_check_top_k)]
+StopRegexList = Annotated[
+    list[NonEmptyStr], Field(max_length=_MAX_STOP_STRINGS), BeforeValidator(_stop_to_list),
+    AfterValidator(check_stop_regex),
+]
+
+
+def _not_served(why: str) -> Any:
+    """A field SGLang defines that this server does not serve: refused by name, never ignored."""
+    def check(v: Any) -> Any:
+        if v is not None:
+            raise ValueError(f"is not supported by this server ({why}); omit it")
+        return v
+    return Annotated[Any, AfterValidator(check)]
 
 
 class StrictModel(BaseModel):
@@ -143,7 +164,20 @@ class SamplingParamsModel(StrictModel):
     spaces_between_special_tokens: bool = True
     n: int = Field(1, ge=1, le=MAX_N)
     seed: Seed | None = None
+    sampling_seed: Seed | None = None  # SGLang 0.5's name for seed
     no_stop_trim: bool = False
+    # Structured output (lockstep.constrained): at most one of regex, json_schema (a JSON
+    # string), ebnf (GBNF); each is compiled here, so a bad one is a 400 before dispatch.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    stop_regex: StopRegexList = Field(default_factory=list)
+    structural_tag: _not_served("structural tags") = None
+    custom_params: _not_served("no custom logit processors") = None
+    logit_bias: _not_served("no logit bias") = None
+    stream_interval: _not_served("every token is streamed") = None
+
+    _constraint: Constraint | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check_min_tokens(self) -> SamplingParamsModel:
@@ -152,7 +186,28 @@ class SamplingParamsModel(StrictModel):
                 f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
                 f"({self.max_new_tokens})"
             )
+        if (self.sampling_seed is not None and self.seed is not None
+                and self.sampling_seed != self.seed):
+            raise ValueError(f"seed ({self.seed}) and sampling_seed ({self.sampling_seed}) differ")
+        if self.sampling_seed is not None:  # one name from here on (n > 1 derives per-sample seeds)
+            self.seed, self.sampling_seed = self.sampling_seed, None
+        try:
+            self._constraint = constraint_from_fields(self.regex, self.json_schema, self.ebnf)
+        except ConstraintError as e:
+            raise ValueError(str(e)) from None
         return self
+
+    @property
+    def constraint(self) -> Constraint | None:
+        return self._constraint
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The fields as lockstep's SamplingParams names them (all but n and max_new_tokens)."""
+        fields = self.model_dump(exclude={
+            "n", "max_new_tokens", "sampling_seed", "regex", "json_schema", "ebnf",
+            "structural_tag", "custom_params", "logit_bias", "stream_interval"})
+        fields["constraint"] = self._constraint
+        return fields
 
 
 SamplingParamsInput = shaped(

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import regex
+
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -26,7 +28,8 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text deltas for one request.
 
     Text is emitted only once it is final: never half a multi-byte character, and never a suffix
-    that could still grow into a stop string (that suffix is held back until it cannot).
+    that could still grow into a stop string or a stop regex match (that suffix is held back
+    until it cannot: the `regex` module's partial matching says so for a regex).
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: Sequence[str] = (),
         no_stop_trim: bool = False,
+        stop_regex: Sequence[str] = (),
     ) -> None:
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         if any(not s for s in stops):
@@ -50,6 +54,7 @@ class IncrementalDetokenizer:
         self._stops = tuple(dict.fromkeys(stops))
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._no_stop_trim = no_stop_trim
+        self._stop_regex = tuple((p, regex.compile(p)) for p in dict.fromkeys(stop_regex))
 
         self._ids: list[int] = []
         # ids[surr:read] is already-decoded context for the window; ids[read:] is not yet emitted.
@@ -108,8 +113,8 @@ class IncrementalDetokenizer:
         start = len(self._text)
         hit = self._find_stop(visible, start)
         if hit is not None:
-            pos, stop = hit
-            end = pos + len(stop) if self._no_stop_trim else pos
+            pos, stop_end, stop = hit
+            end = stop_end if self._no_stop_trim else pos
             delta = visible[start:end]
             self._text += delta
             self._finished = True
@@ -120,20 +125,31 @@ class IncrementalDetokenizer:
         self._text += delta
         return DetokOutput(delta, None, False)
 
-    def _find_stop(self, visible: str, start: int) -> tuple[int, str] | None:
-        # Only unreleased text can hold a match: held-back text guarantees that no stop string
-        # straddles what was already released.
-        best: tuple[int, str] | None = None
+    def _find_stop(self, visible: str, start: int) -> tuple[int, int, str] | None:
+        """(start, end, what matched) of the earliest stop in the unreleased text.
+
+        Only unreleased text can hold a match: held-back text guarantees that no stop string
+        straddles what was already released. What a regex matched is reported as its pattern."""
+        best: tuple[int, int, str] | None = None
         for stop in self._stops:
             pos = visible.find(stop, start)
             if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, stop)
+                best = (pos, pos + len(stop), stop)
+        for pattern, compiled in self._stop_regex:
+            m = compiled.search(visible, start)
+            if m is not None and (best is None or m.start() < best[0]):
+                best = (m.start(), m.end(), pattern)
         return best
 
     def _held_back(self, visible: str, start: int) -> int:
-        """Length of the longest unreleased suffix that could still become a stop string."""
-        for k in range(min(self._max_stop_len - 1, len(visible) - start), 0, -1):
+        """Length of the longest unreleased suffix that could still become a stop."""
+        held = 0
+        for _, compiled in self._stop_regex:
+            m = compiled.search(visible, start, partial=True)
+            if m is not None and m.partial:
+                held = max(held, len(visible) - m.start())
+        for k in range(min(self._max_stop_len - 1, len(visible) - start), held, -1):
             suffix = visible[len(visible) - k :]
             if any(stop.startswith(suffix) for stop in self._stops):
                 return k
-        return 0
+        return held

@@ -7,6 +7,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
+from lockstep.constrained import Constraint
+
 
 class TokenLogprob(NamedTuple):
     logprob: float | None  # None for a prompt's first token, which nothing predicts
@@ -72,6 +74,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    # Generation stops when the output text matches one of these (Python `re`, searched).
+    stop_regex: list[str] = field(default_factory=list)
+    # At most one; checked in the front process (lockstep.constrained.validate_constraint).
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -13,12 +13,14 @@ that the next decode step uses as its input. `output_ids` only ever holds real t
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import torch
 
+from lockstep.constrained import GrammarMatcher
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
 from lockstep.managers.io_struct import (
     BaseFinishReason,
@@ -61,6 +63,8 @@ class Req:
     # logprobs accumulated since the last report
     out_logprobs: list[TokenLogprob] = field(default_factory=list)
     out_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # Constrained decoding: the grammar's state after `output_ids` (retraction keeps both).
+    grammar: GrammarMatcher | None = None
     in_logprobs: list[TokenLogprob] = field(default_factory=list)
     in_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
 
@@ -128,7 +132,8 @@ class ScheduleBatch:
         return hashlib.sha1(desc.encode()).hexdigest()[:16]
 
     def to_worker_batch(self, req_to_token: torch.Tensor, out_cache_loc: torch.Tensor,
-                        vocab_size: int, base_seed: int, device: str) -> ModelWorkerBatch:
+                        vocab_size: int, base_seed: int, device: str,
+                        fill_masks: MaskFiller | None = None) -> ModelWorkerBatch:
         ids: list[int] = []
         positions: list[int] = []
         logits_idx: list[int] = []
@@ -166,7 +171,7 @@ class ScheduleBatch:
             logits_indices=t(logits_idx),
         )
         sampling = build_sampling_info([r for r, s in zip(self.reqs, self.samples) if s],
-                                       vocab_size, base_seed, device)
+                                       vocab_size, base_seed, device, fill_masks)
         return ModelWorkerBatch(
             fb, sampling, t(sample_rows), prompt_rows, t(prompt_targets),
             max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
@@ -184,7 +189,13 @@ def request_seed(req: Req, base_seed: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str) -> SamplingBatchInfo:
+# Computes the next-token bitmask of each matcher (GrammarBackend.fill_masks).
+MaskFiller = Callable[[Sequence[GrammarMatcher]], torch.Tensor]
+
+
+def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str,
+                        fill_masks: MaskFiller | None = None) -> SamplingBatchInfo:
+    """`fill_masks` is None on ranks that do not sample (pipeline stages before the last)."""
     ps = [r.sampling_params for r in reqs]
     f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
     i = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
@@ -205,4 +216,8 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
     if any(p.repetition_penalty != 1.0 for p in ps):
         info.repetition_penalties = f([p.repetition_penalty for p in ps])
         info.seen_mask = counts_matrix([r.fill_ids for r in reqs], vocab, device) > 0
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if rows and fill_masks is not None:
+        info.vocab_mask = fill_masks([reqs[i].grammar for i in rows]).to(device)
+        info.vocab_mask_rows = rows
     return info

@@ -5,6 +5,7 @@ tokens into its requests, decide which finished, and queue the outputs the sched
 from __future__ import annotations
 
 from lockstep.managers.io_struct import (
+    FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_MATCHED_TOKEN,
     BaseFinishReason,
@@ -76,6 +77,12 @@ class SchedulerOutputProcessorMixin:
     def _check_finished(self, req: Req, token: int) -> BaseFinishReason | None:
         p = req.sampling_params
         n = len(req.output_ids)
+        if req.grammar is not None:
+            if not req.grammar.accept(token):
+                return FINISH_ABORT(f"the grammar rejected sampled token {token}: "
+                                    f"{req.grammar.error}", status_code=500)
+            if req.grammar.is_terminated:  # complete: nothing but an end token could follow
+                return FINISH_MATCHED_TOKEN(token)
         if n >= p.min_new_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)):
             return FINISH_MATCHED_TOKEN(token)

@@ -201,8 +201,7 @@ class TokenizerManager:
             raise RequestError(
                 f"max_new_tokens ({max_new}) + prompt ({prompt_len} tokens) exceeds the context "
                 f"length {self.context_len}; at most {room} new tokens fit")
-        fields = sp.model_dump(exclude={"n", "max_new_tokens"})
-        return SamplingParams(max_new_tokens=max_new, **fields)
+        return SamplingParams(max_new_tokens=max_new, **sp.engine_fields())
 
     async def generate(self, req: SingleGenerateReq, prompt_ids: list[int] | None = None
                        ) -> AsyncIterator[GenerateOutput]:

@@ -1,0 +1,121 @@
+"""Per-request grammar matchers over the model's vocabulary, one backend per scheduler rank.
+
+Every rank builds the same matchers from the same requests and feeds them the same sampled
+tokens, so every rank computes the same vocabulary masks without exchanging anything.
+
+The vocabulary mask is a bitmask, int32 [rows, ceil(V / 32)], bit i of word w = token 32w + i
+allowed (llguidance's layout). Token ids the tokenizer does not have (the LM head padded past
+the tokenizer) are never allowed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import llguidance
+import torch
+
+from lockstep.constrained.constraint import Constraint, ConstraintError
+
+# Compiled grammars kept per rank, by constraint text; the oldest unused one goes first.
+GRAMMAR_CACHE_SIZE = 256
+
+
+def allocate_vocab_mask(rows: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: which tokens may come next, and when it is done."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._m = matcher
+        self.consumed = 0
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False when the grammar does not allow it."""
+        ok = self._m.consume_token(token)
+        self.consumed += ok
+        return ok
+
+    def fill_mask(self, mask: torch.Tensor, row: int) -> None:
+        v = mask[row]
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    @property
+    def is_terminated(self) -> bool:
+        """Nothing more may follow (the grammar is complete, or an end token was accepted)."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > self.consumed or not self._m.rollback(num_tokens):
+            raise RuntimeError(f"cannot roll the grammar back {num_tokens} tokens")
+        self.consumed -= num_tokens
+
+
+class GrammarBackend:
+    """Compiles constraints against one tokenizer, caches them, hands out matchers."""
+
+    def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_token_ids: Iterable[int],
+                 num_threads: int = 1) -> None:
+        self.tokenizer_file = Path(tokenizer_file)
+        self.model_vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.num_threads = max(1, num_threads)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        # Built on the first constrained request: it takes seconds on a 262k vocabulary, and a
+        # server that never sees a constraint should not pay for it at start.
+        if self._tokenizer is None:
+            text = self.tokenizer_file.read_text(encoding="utf-8")
+            size = self._tokenizer_size(text)
+            self._tokenizer = llguidance.LLTokenizer(
+                text, n_vocab=max(size, self.model_vocab_size), eos_token=self.eos_token_ids or None)
+        return self._tokenizer
+
+    @property
+    def mask_vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def matcher(self, constraint: Constraint) -> GrammarMatcher:
+        """A fresh matcher for `constraint`; ConstraintError when it does not compile."""
+        proto = self._cache.get(constraint)
+        if proto is None:
+            proto = llguidance.LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
+            if proto.is_error():
+                raise ConstraintError(f"invalid {constraint.kind}: {proto.get_error()}")
+            self._cache[constraint] = proto
+            while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(constraint)
+        return GrammarMatcher(proto.deep_copy())
+
+    def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+        """The next-token bitmask of each matcher, one row each, computed in parallel."""
+        mask = allocate_vocab_mask(len(matchers), self.mask_vocab_size)
+        if len(matchers) == 1:
+            matchers[0].fill_mask(mask, 0)
+        elif matchers:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
+            self._executor.unsafe_compute_mask_ptr(
+                [(m._m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
+                mask.shape[1] * mask.element_size(), mask.shape[0])
+        return mask
+
+    @staticmethod
+    def _tokenizer_size(text: str) -> int:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)

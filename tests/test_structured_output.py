@@ -1,0 +1,271 @@
+"""Structured output on the real default model (Gemma 3 270M, a base model: the constraint, not
+the model, must produce the shape): regex, json_schema and ebnf sampling params, stop_regex,
+bad constraints, and constrained requests next to unconstrained ones.
+
+The live-server tests share the session's real-model server (tests/test_http_generate.py); the
+scheduler tests drive the scheduler in process for overlap, retraction and chunked prefill."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+from typing import Any
+
+import pytest
+import requests
+
+from lockstep.constrained import Constraint
+from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
+from tests.test_http_generate import LiveServer, shared_real_server, sse_events
+
+pytestmark = pytest.mark.real_model
+
+DATE = r"\d{4}-\d{2}-\d{2}"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "color": {"enum": ["red", "green", "blue"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "color", "age"],
+    "additionalProperties": False,
+}
+EBNF = 'root ::= "Answer: " digit+ ("+" digit+)* "."\ndigit ::= [0-9]'
+EBNF_SHAPE = r"Answer: \d+(\+\d+)*\."
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
+    return shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
+
+
+def generate(server: LiveServer, text: str, **params: Any) -> dict[str, Any]:
+    r = requests.post(server.url + "/generate", json={"text": text, "sampling_params": params},
+                      timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_person(text: str) -> dict[str, Any]:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "color", "age"}
+    assert isinstance(obj["name"], str) and 1 <= len(obj["name"]) <= 12
+    assert obj["color"] in ("red", "green", "blue")
+    assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, greedy and sampled
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_date_regex(server, temperature):
+    for seed in range(3 if temperature else 1):
+        out = generate(server, "The treaty was signed on", regex=DATE, max_new_tokens=20,
+                       temperature=temperature, seed=seed)
+        assert re.fullmatch(DATE, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_yes_no_regex(server):
+    for temperature in (0.0, 1.2):
+        out = generate(server, "Is water wet? Answer yes or no:", regex="(yes|no)",
+                       max_new_tokens=5, temperature=temperature, seed=7)
+        assert out["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_json_schema(server, temperature):
+    out = generate(server, "Here is a person as JSON:", json_schema=json.dumps(SCHEMA),
+                   max_new_tokens=64, temperature=temperature, seed=3)
+    check_person(out["text"])
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_ebnf(server):
+    for temperature in (0.0, 1.0):
+        out = generate(server, "Sum:", ebnf=EBNF, max_new_tokens=30, temperature=temperature,
+                       seed=11)
+        assert re.fullmatch(EBNF_SHAPE, out["text"]) or out["meta_info"]["finish_reason"] == {
+            "type": "length", "length": 30}, out
+
+
+def test_constraint_with_penalties_and_filters(server):
+    out = generate(server, "A date:", regex=DATE, max_new_tokens=20, temperature=0.8, top_k=20,
+                   top_p=0.9, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5, seed=5)
+    assert re.fullmatch(DATE, out["text"]), out["text"]
+
+
+def test_n_samples(server):
+    r = requests.post(server.url + "/generate", json={
+        "text": "Someone's birthday:",
+        "sampling_params": {"regex": DATE, "max_new_tokens": 20, "temperature": 1.0, "n": 3,
+                            "seed": 1}}, timeout=600)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert len(outs) == 3
+    for o in outs:
+        assert re.fullmatch(DATE, o["text"]), o["text"]
+
+
+def test_streaming(server):
+    body = {"text": "Here is a person as JSON:", "stream": True,
+            "sampling_params": {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 64,
+                                "temperature": 0}}
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=600) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert len(events) > 2
+    final = events[-1]
+    assert final["meta_info"]["finish_reason"]["type"] == "stop"
+    check_person(final["text"])
+    plain = generate(server, "Here is a person as JSON:", json_schema=json.dumps(SCHEMA),
+                     max_new_tokens=64, temperature=0)
+    assert final["text"] == plain["text"]
+
+
+def test_grammar_that_cannot_finish_ends_with_length(server):
+    out = generate(server, "Count:", regex="[0-9]{50}", max_new_tokens=8, temperature=0)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert re.fullmatch("[0-9]+", out["text"]), out["text"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Constrained next to unconstrained
+
+
+def test_mixed_batch_leaves_unconstrained_bitwise_equal(server):
+    free_prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    alone = [generate(server, p, max_new_tokens=16, temperature=0)["output_ids"]
+             for p in free_prompts]
+    constrained = [
+        ("A date:", {"regex": DATE}), ("Is it raining? ", {"regex": "(yes|no)"}),
+        ("Person:", {"json_schema": json.dumps(SCHEMA)}), ("Sum:", {"ebnf": EBNF}),
+        ("Another date:", {"regex": DATE, "temperature": 1.0, "seed": 2}),
+        ("JSON:", {"json_schema": json.dumps(SCHEMA), "temperature": 0.7, "seed": 4}),
+        ("Yes or no?", {"regex": "(yes|no)", "temperature": 1.0, "seed": 9}),
+        ("When?", {"regex": DATE, "temperature": 0}),
+    ]
+    jobs = [(p, {"max_new_tokens": 16, "temperature": 0}) for p in free_prompts]
+    jobs += [(p, {"max_new_tokens": 64, "temperature": 0, **c}) for p, c in constrained]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda j: generate(server, j[0], **j[1]), jobs))
+    assert [o["output_ids"] for o in outs[:3]] == alone
+    for (_, c), o in zip(constrained, outs[3:]):
+        if "regex" in c and c["regex"] == DATE:
+            assert re.fullmatch(DATE, o["text"]), o["text"]
+        elif "regex" in c:
+            assert o["text"] in ("yes", "no")
+        elif "json_schema" in c:
+            check_person(o["text"])
+        else:
+            assert re.fullmatch(EBNF_SHAPE, o["text"]) or o["meta_info"]["finish_reason"][
+                "type"] == "length"
+
+
+# ---------------------------------------------------------------------------------------------
+# stop_regex
+
+
+def test_stop_regex_trims_or_keeps(server):
+    prompt = "List of years: 1999, 2000, 2001,"
+    full = generate(server, prompt, max_new_tokens=24, temperature=0)["text"]
+    m = re.search(r"20\d\d", full)
+    assert m, f"the model's own continuation has no year to stop at: {full!r}"
+    cut = generate(server, prompt, max_new_tokens=24, temperature=0, stop_regex=r"20\d\d")
+    assert cut["text"] == full[:m.start()]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"20\d\d"}
+    kept = generate(server, prompt, max_new_tokens=24, temperature=0, stop_regex=[r"20\d\d", "zzz"],
+                    no_stop_trim=True)
+    assert kept["text"] == full[:m.end()]
+    assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"20\d\d"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("params,words", [
+    ({"regex": "([0-9]"}, ["regex"]),
+    ({"json_schema": "{not json"}, ["json_schema", "JSON"]),
+    ({"json_schema": json.dumps({"type": "objekt"})}, ["json_schema", "objekt"]),
+    ({"ebnf": "root ::= missing_rule"}, ["ebnf", "missing_rule"]),
+    ({"regex": "a", "json_schema": "{}"}, ["Only one of regex, json_schema, or ebnf can be set."]),
+    ({"stop_regex": "(unclosed"}, ["stop_regex"]),
+    ({"custom_params": {"k": 1}}, ["custom_params", "not supported"]),
+    ({"structural_tag": "{}"}, ["structural_tag", "not supported"]),
+])
+def test_bad_constraints_are_400(server, params, words):
+    for stream in (False, True):
+        r = requests.post(server.url + "/generate", json={
+            "text": "Hi", "stream": stream, "sampling_params": {"max_new_tokens": 4, **params}},
+            timeout=120)
+        assert r.status_code == 400, r.text
+        for w in words:
+            assert w in r.text, r.text
+    assert generate(server, "Hi", max_new_tokens=2, regex="(ok)")["text"] == "ok"
+
+
+def test_sampling_seed_is_seed(server):
+    a = generate(server, "Hello", max_new_tokens=8, temperature=1.0, sampling_seed=42)
+    b = generate(server, "Hello", max_new_tokens=8, temperature=1.0, seed=42)
+    assert a["output_ids"] == b["output_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler in process: overlap, retraction, chunked prefill, radix cache
+
+
+def _constrained_reqs(tok) -> list:
+    schema = json.dumps(SCHEMA)
+    mk = lambda rid, text, c, **kw: greedy_req(rid, tok.encode(text), 48, constraint=c,  # noqa: E731
+                                               ignore_eos=False, **kw)
+    return [
+        mk("date", "The treaty was signed on", Constraint("regex", DATE)),
+        mk("json", "A person as JSON: " * 6, Constraint("json_schema", schema)),
+        mk("ebnf", "Sum:", Constraint("ebnf", EBNF)),
+        mk("json-sampled", "A person as JSON:", Constraint("json_schema", schema),
+           temperature=0.8, seed=5),
+        greedy_req("free", tok.encode("Once upon a time"), 24),
+    ]
+
+
+def test_scheduler_modes_agree(tmp_path):
+    from transformers import AutoTokenizer
+
+    from lockstep.model_loader import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
+    runs = {}
+    for name, kw in {
+        "plain": {"disable_radix_cache": True},
+        "overlap": {"enable_overlap_schedule": True},
+        # A KV pool this small forces retractions.
+        "retract": {"max_total_tokens": 100, "new_token_ratio": 0.05},
+        "chunked": {"chunked_prefill_size": 8},  # splits every prompt
+    }.items():
+        sched = make_scheduler(None, **kw)
+        runs[name] = run_to_completion(sched, _constrained_reqs(tok))
+        if name == "retract":
+            assert sched.stats.retractions > 0
+        if name == "overlap":
+            # The same requests again: now the prompts come from the radix cache.
+            again = run_to_completion(sched, [
+                greedy_req(f"{r.rid}-2", r.input_ids, r.sampling_params.max_new_tokens,
+                           constraint=r.sampling_params.constraint,
+                           temperature=r.sampling_params.temperature, seed=r.sampling_params.seed,
+                           ignore_eos=r.sampling_params.ignore_eos)
+                for r in _constrained_reqs(tok)])
+            assert all(again[f"{rid}-2"].output_ids == res.output_ids
+                       for rid, res in runs[name].items())
+            assert sched.stats.cached_tokens > 0
+    texts = {rid: tok.decode(r.output_ids) for rid, r in runs["plain"].items()}
+    assert re.fullmatch(DATE, texts["date"]), texts
+    check_person(texts["json"])
+    check_person(texts["json-sampled"])
+    for name, res in runs.items():
+        assert {rid: r.output_ids for rid, r in res.items()} == {
+            rid: r.output_ids for rid, r in runs["plain"].items()}, name
