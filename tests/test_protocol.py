@@ -293,8 +293,8 @@ BAD_INPUTS = [
     ),
     (
         ChatCompletionRequest,
-        {**CHAT, "response_format": {"type": "json_object"}},
-        "response_format.type: must be 'text', got 'json_object'",
+        {**CHAT, "response_format": {"type": "structural_tag"}},
+        "response_format",
     ),
     (
         ChatCompletionRequest,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -269,3 +270,133 @@ def test_scheduler_modes_agree(tmp_path):
     for name, res in runs.items():
         assert {rid: r.output_ids for rid, r in res.items()} == {
             rid: r.output_ids for rid, r in runs["plain"].items()}, name
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI routes
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def test_chat_response_format_json_schema(client):
+    out = client.chat.completions.create(
+        model="default", temperature=0, max_tokens=80,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+    assert out.choices[0].finish_reason == "stop"
+    check_person(out.choices[0].message.content)
+
+
+def test_chat_parse_with_pydantic_model(client):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        population_millions: int = Field(ge=0, le=50)
+
+    reply = client.chat.completions.parse(
+        model="default", temperature=0, max_tokens=80, response_format=City,
+        messages=[{"role": "user", "content": "Name a big city in France."}])
+    city = reply.choices[0].message.parsed
+    assert isinstance(city, City) and city.name and city.country
+
+
+def test_completions_response_format_and_extensions(client):
+    # The openai client's completions.create has no response_format argument: it goes in the body.
+    obj = client.completions.create(model="default", prompt="A JSON object:", max_tokens=40,
+                                    temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].text), dict)
+    else:  # any JSON object may go on: what was generated is still a JSON object's start
+        assert obj.choices[0].text.startswith("{")
+    date = client.completions.create(model="default", prompt="The date:", max_tokens=20,
+                                     temperature=0, extra_body={"regex": DATE})
+    assert re.fullmatch(DATE, date.choices[0].text)
+    chat = client.chat.completions.create(
+        model="default", max_tokens=30, temperature=0.8, seed=1, extra_body={"ebnf": EBNF},
+        messages=[{"role": "user", "content": "Add some numbers."}])
+    text = chat.choices[0].message.content
+    assert re.fullmatch(EBNF_SHAPE, text) or chat.choices[0].finish_reason == "length", text
+    stopped = client.completions.create(model="default", prompt="List of years: 1999, 2000,",
+                                        max_tokens=24, temperature=0,
+                                        extra_body={"stop_regex": r"20\d\d"})
+    assert not re.search(r"20\d\d", stopped.choices[0].text)
+
+
+def test_openai_bad_constraints(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="Only one of regex, response_format, or ebnf"):
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "json_object"}, extra_body={"regex": "a+"})
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        client.completions.create(model="default", prompt="x", max_tokens=4,
+                                  extra_body={"regex": "(a"})
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "structural_tag"})
+
+
+def test_model_names(client, server):
+    import openai
+
+    served = client.models.list().data[0].id
+    for name in ("default", served):
+        out = client.completions.create(model=name, prompt="Hi", max_tokens=1)
+        assert out.model == served
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every example in the README runs (the server-launch command lines aside)
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_URL = "http://127.0.0.1:30000"
+
+
+def readme_examples() -> list[tuple[str, str]]:
+    blocks = re.findall(r"```(bash|python)\n(.*?)```", README.read_text(), flags=re.S)
+    runnable = [(lang, code) for lang, code in blocks
+                if lang == "python" or code.lstrip().startswith("curl ")]
+    assert len(runnable) >= 4, runnable
+    return runnable
+
+
+@pytest.mark.parametrize("index", range(len(readme_examples())))
+def test_readme_example_runs(server, index, tmp_path):
+    import subprocess
+    import sys
+
+    lang, code = readme_examples()[index]
+    code = code.replace(README_URL, server.url)
+    if lang == "bash":
+        cmd = ["bash", "-euo", "pipefail", "-c", code.replace("curl ", "curl -sS --fail-with-body ", 1)]
+    else:
+        script = tmp_path / "example.py"
+        script.write_text(code)
+        cmd = [sys.executable, str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, f"{code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    if lang == "bash":
+        out = json.loads(done.stdout)
+        assert out["text"] and out["meta_info"]["finish_reason"]
+        if '"regex"' in code:
+            assert re.fullmatch(DATE, out["text"]), out["text"]
+    elif "print(" in code:
+        assert done.stdout.strip(), code

@@ -131,7 +131,8 @@ class OpenAIServing:
         self.args = args
         self.info = info
         self.model_name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
-        names = {self.model_name}
+        # "default" as SGLang's docs and this README write it: SGLang checks no model name.
+        names = {self.model_name, "default"}
         if args.model_path:
             names |= {args.model_path, Path(args.model_path).name}
         self.accepted_names = names

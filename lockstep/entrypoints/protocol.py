@@ -14,6 +14,12 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, Field, model_validator
 
+from lockstep.constrained.constraint import (
+    ConstraintError,
+    constraint_from_fields,
+    json_object_constraint,
+    json_schema_constraint,
+)
 from lockstep.managers.generate_request import (
     INT32_MAX,
     MAX_N,
@@ -21,12 +27,14 @@ from lockstep.managers.generate_request import (
     SamplingParamsModel,
     Seed,
     StopList,
+    StopRegexList,
     StrictModel,
     TokenId,
     TopK,
     shaped,
     str_or_list,
 )
+from lockstep.managers.tokenizer_manager import RequestError
 
 
 def _prompt_shape(v: Any) -> str | None:
@@ -69,6 +77,34 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class TextResponseFormat(StrictModel):
+    type: Literal["text"]
+
+
+class JsonObjectResponseFormat(StrictModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute; clients send it under that name.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # The schema is always enforced: strict false (best effort) gets the same guarantee.
+    strict: bool | None = None
+
+
+class JsonSchemaResponseFormat(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    Union[TextResponseFormat, JsonObjectResponseFormat, JsonSchemaResponseFormat],  # noqa: UP007
+    Field(discriminator="type"),
+]
+
+
 class _OpenAIRequest(StrictModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0)
@@ -91,11 +127,32 @@ class _OpenAIRequest(StrictModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     no_stop_trim: bool = False
+    stop_regex: StopRegexList = Field(default_factory=list)
+    # Structured output: OpenAI's response_format, or SGLang's regex / ebnf extensions.
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def _json_schema(self) -> str | None:
+        """The JSON schema constraint's text, from response_format."""
+        fmt = self.response_format
+        if isinstance(fmt, JsonObjectResponseFormat) or (
+                isinstance(fmt, JsonSchemaResponseFormat) and fmt.json_schema.schema_ is None):
+            return json_object_constraint().text
+        if isinstance(fmt, JsonSchemaResponseFormat):
+            return json_schema_constraint(fmt.json_schema.schema_).text
+        return None
 
     @model_validator(mode="after")
     def _check_common(self) -> _OpenAIRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        try:
+            constraint_from_fields(self.regex, self._json_schema(), self.ebnf)
+        except ConstraintError as e:
+            raise ValueError(str(e).replace("json_schema", "response_format.json_schema")
+                             .replace("Only one of regex, response_format.json_schema, or ebnf",
+                                      "Only one of regex, response_format, or ebnf")) from None
         limit = self._max_new_tokens()
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
@@ -104,10 +161,18 @@ class _OpenAIRequest(StrictModel):
     def _max_new_tokens(self) -> int | None:
         raise NotImplementedError
 
-    def to_sampling_params(self) -> SamplingParamsModel:
-        # The fields both have by the same name, and OpenAI's names for the two lengths.
-        shared = self.model_dump(include=set(SamplingParamsModel.model_fields))
-        return SamplingParamsModel(**shared, max_new_tokens=self._max_new_tokens(),
+    def to_sampling_params(self, json_schema: str | None = None) -> SamplingParamsModel:
+        """`json_schema`: a constraint the route adds (a forced tool call); RequestError (400)
+        when the request has its own constraint too."""
+        own = self._json_schema()
+        if json_schema is not None and (own is not None or self.regex or self.ebnf):
+            raise RequestError("a forced tool call cannot be combined with response_format, "
+                               "regex or ebnf: only one constraint applies to an output")
+        # The fields both have by the same name (logit_bias here is at most empty), and
+        # OpenAI's names for the two lengths.
+        shared = self.model_dump(include=set(SamplingParamsModel.model_fields) - {"logit_bias"})
+        return SamplingParamsModel(**shared, json_schema=own if own is not None else json_schema,
+                                   max_new_tokens=self._max_new_tokens(),
                                    min_new_tokens=self.min_tokens)
 
 
@@ -211,17 +276,12 @@ class ChatMessage(StrictModel):
         return self.content or ""
 
 
-class TextResponseFormat(StrictModel):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: TextResponseFormat | None = None
     # Checked together, against the server's tool-call parser, in lockstep.entrypoints.tool_calls.
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

@@ -1,0 +1,110 @@
+"""SGLang's own frontend language, unchanged, against a live lockstep server on the real default
+model: `gen(stop=...)`, `gen(regex=...)`, `gen(dtype=int)` and `select`.
+
+sglang==0.5.23 is installed with --no-deps into a venv of its own (under pytest's temporary
+root, reused by later runs), with the few packages its import needs; that venv also sees this
+interpreter's site-packages (a .pth file) for numpy, torch and requests, so nothing is installed
+into the project's environment and no CUDA torch is pulled. The test skips, saying why, only
+when pip cannot reach the package index."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.test_http_generate import LiveServer, shared_real_server
+
+pytestmark = pytest.mark.real_model
+
+SGLANG = "sglang==0.5.23"
+# What `import sglang` needs beyond this environment's packages (found by importing it).
+RUNTIME_NEEDS = ["pybase64", "pillow", "msgspec", "ipython", "traitlets", "triton"]
+_NO_INDEX = ("Could not find a version", "No matching distribution", "Failed to establish",
+             "Temporary failure in name resolution", "Network is unreachable", "ConnectTimeout")
+
+PROGRAM = r'''
+import json, sys
+import sglang as sgl
+
+@sgl.function
+def quiz(s):
+    s += "Q: What is the capital of France?\nA:"
+    s += sgl.gen("answer", max_tokens=24, stop="\n", temperature=0)
+    s += "\nThe treaty was signed on "
+    s += sgl.gen("date", regex=r"\d{4}-\d{2}-\d{2}", max_tokens=16, temperature=0)
+    s += "\nIs Paris in France? Answer: "
+    s += sgl.select("yes_no", choices=["yes", "no"])
+    s += "\nHow many legs does a spider have? "
+    s += sgl.gen("legs", dtype=int, max_tokens=6, temperature=0)
+
+sgl.set_default_backend(sgl.RuntimeEndpoint(sys.argv[1]))
+state = quiz.run()
+print(json.dumps({k: state[k] for k in ("answer", "date", "yes_no", "legs")}))
+'''
+
+
+@pytest.fixture(scope="module")
+def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.getbasetemp().parent / f"venv-{SGLANG.replace('==', '-')}"
+    python = root / "bin" / "python"
+    ready = root / "lockstep-ready"
+    if ready.exists():
+        return python
+    venv.create(root, with_pip=True, clear=True)
+    site = Path(subprocess.check_output(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+    ).strip())
+    (site / "lockstep_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    done = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", SGLANG,
+                           *RUNTIME_NEEDS], capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        if any(s in done.stderr + done.stdout for s in _NO_INDEX):
+            pytest.skip(f"pip cannot reach the package index for {SGLANG}: {done.stderr[-300:]}")
+        raise AssertionError(f"pip install {SGLANG} failed:\n{done.stderr[-3000:]}")
+    check = subprocess.run([python, "-c", "import sglang, torch; print(torch.__version__)"],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert "+cpu" in check.stdout or "cuda" not in check.stdout, check.stdout
+    ready.write_text(SGLANG)
+    return python
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
+    return shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
+
+
+def test_sglang_program_runs_unchanged(server, sglang_python, tmp_path):
+    script = tmp_path / "quiz.py"
+    script.write_text(PROGRAM)
+    done = subprocess.run([sglang_python, str(script), server.url], capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    state = json.loads(done.stdout.strip().splitlines()[-1])
+
+    # gen(stop="\n") is the native API's greedy text cut at the stop string.
+    plain = requests.post(server.url + "/generate", json={
+        "text": "Q: What is the capital of France?\nA:",
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "stop": "\n"}},
+        timeout=300).json()
+    assert state["answer"] == plain["text"] and "\n" not in state["answer"]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", state["date"]), state
+    assert state["yes_no"] in ("yes", "no")
+    assert re.fullmatch(r"-?\d+", state["legs"].strip()), state
+
+
+def test_sglang_runs_on_this_interpreter_torch(sglang_python):
+    """The frontend's venv uses this environment's CPU torch, not one of its own."""
+    out = subprocess.run([sglang_python, "-c", "import torch; print(torch.__file__)"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith(sysconfig.get_paths()["purelib"]), out
+    assert sys.version_info[:2] == tuple(map(int, subprocess.check_output(
+        [sglang_python, "-c", "import sys; print(*sys.version_info[:2])"], text=True).split()))
