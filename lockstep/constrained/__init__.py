@@ -5,7 +5,13 @@ llguidance does the grammar work (chosen by measurement: docs/benchmarks.md, "Gr
 `backend.py` turns it into a per-request matcher over the model's vocabulary (scheduler ranks).
 """
 
-from lockstep.constrained.backend import GrammarBackend, GrammarMatcher, allocate_vocab_mask
+from lockstep.constrained.backend import (
+    GrammarBackend,
+    GrammarMatcher,
+    allocate_vocab_mask,
+    grammar_backend_for,
+    request_matcher,
+)
 from lockstep.constrained.constraint import (
     CONSTRAINT_KINDS,
     Constraint,
@@ -22,6 +28,8 @@ __all__ = [
     "GrammarBackend",
     "GrammarMatcher",
     "allocate_vocab_mask",
+    "grammar_backend_for",
+    "request_matcher",
     "json_object_constraint",
     "json_schema_constraint",
     "validate_constraint",

@@ -119,3 +119,24 @@ class GrammarBackend:
         from tokenizers import Tokenizer
 
         return Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
+
+
+def grammar_backend_for(tokenizer_dir: str | Path, vocab_size: int,
+                        eos_token_ids: Iterable[int]) -> GrammarBackend | None:
+    """The backend of a scheduler rank; None when the tokenizer has no tokenizer.json."""
+    tok_file = Path(tokenizer_dir) / "tokenizer.json"
+    if not tok_file.exists():
+        return None
+    return GrammarBackend(tok_file, vocab_size, eos_token_ids, num_threads=torch.get_num_threads())
+
+
+def request_matcher(backend: GrammarBackend | None,
+                    constraint: Constraint) -> tuple[GrammarMatcher | None, str | None]:
+    """(matcher, None), or (None, why not). The front process checks constraints before
+    dispatch; requests from elsewhere (the Engine API, another front) may not have been."""
+    if backend is None:
+        return None, "this model has no tokenizer.json: regex, json_schema and ebnf are not available"
+    try:
+        return backend.matcher(constraint), None
+    except ConstraintError as e:
+        return None, str(e)

@@ -101,6 +101,14 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def needs_real_outputs(self) -> bool:
+        """Penalties count every output token, not a placeholder, and a grammar's next mask needs
+        the token in flight: with overlap, this request's step waits for the previous one."""
+        p = self.sampling_params
+        return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+                    or self.grammar is not None)
+
 
 @dataclass
 class ModelWorkerBatch:

@@ -13,12 +13,11 @@ import logging
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from lockstep.constrained import ConstraintError, GrammarBackend
+from lockstep.constrained import GrammarBackend, grammar_backend_for, request_matcher
 from lockstep.managers.io_struct import (
     FINISH_ABORT,
     AbortReq,
@@ -83,9 +82,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.max_req_len = min(self.context_len, self.req_to_token_pool.max_context_len - 1)
         self.tree = ChunkCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator)
         self.eos_ids = frozenset(eos_token_ids)
-        # Constrained decoding (None: the model has no tokenizer.json to compile against).
-        # Only ranks that sample compute masks; every rank advances the matchers alike.
-        self.grammar = grammar
+        # Only ranks that sample compute grammar masks; every rank advances the matchers alike.
+        self.grammar = grammar  # None: the model has no tokenizer.json to compile against
         self._fill_masks = grammar.fill_masks if grammar and runner.pp.is_last else None
         self.strict_integrity = strict_integrity
         self.waiting: list[Req] = []
@@ -139,21 +137,12 @@ class Scheduler(SchedulerOutputProcessorMixin):
         elif any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
             error = f"input_ids must be in [0, {self.vocab_size})"
         elif req.sampling_params.constraint is not None:
-            error = self._attach_grammar(req)
+            req.grammar, error = request_matcher(self.grammar, req.sampling_params.constraint)
         self.stats.prompt_tokens += n_prompt
         if error:
             self.finish(req, FINISH_ABORT(error, status_code=400))
             return
         self.waiting.append(req)
-
-    def _attach_grammar(self, req: Req) -> str | None:
-        if self.grammar is None:
-            return "this model has no tokenizer.json: regex, json_schema and ebnf are not available"
-        try:
-            req.grammar = self.grammar.matcher(req.sampling_params.constraint)
-        except ConstraintError as e:  # the front process checks first; the Engine API may not
-            return str(e)
-        return None
 
     def abort(self, rid: str, reason: FINISH_ABORT = FINISH_ABORT()) -> None:
         chunked = [self.chunked_req] if self.chunked_req is not None else []
@@ -384,8 +373,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     # ---- decode and retraction ----------------------------------------------------------
     def _decode_batch(self) -> ScheduleBatch | None:
-        if self.inflight is not None and any(_needs_outputs(r) for r in self.running):
-            self._sync()  # see _needs_outputs
+        if self.inflight is not None and any(r.needs_real_outputs for r in self.running):
+            self._sync()
         if not self.running:
             return None
         loc = self._alloc(len(self.running))
@@ -481,14 +470,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         logger.error(msg)
 
 
-def _needs_outputs(req: Req) -> bool:
-    """Penalties count every output token, not a placeholder, and a grammar's next mask needs
-    the token in flight: such a request's step runs after the previous one, not beside it."""
-    p = req.sampling_params
-    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
-                or req.grammar is not None)
-
-
 def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
                      strict_integrity: bool = False) -> Scheduler:
     """Load the model for this rank and build its scheduler; used by every scheduler process
@@ -511,10 +492,6 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
     worker = TpModelWorker(runner, args.micro_batches)
     eos = stop_token_ids(source.model_dir, model_cfg.eos_token_ids)
-    tok_file = Path(args.tokenizer_path or source.model_dir) / "tokenizer.json"
-    grammar = None
-    if tok_file.exists():
-        grammar = GrammarBackend(tok_file, model_cfg.vocab_size, eos,
-                                 num_threads=torch.get_num_threads())
+    grammar = grammar_backend_for(args.tokenizer_path or source.model_dir, model_cfg.vocab_size, eos)
     return Scheduler(args, worker, eos, strict_integrity, grammar)
 
