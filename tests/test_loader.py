@@ -588,3 +588,25 @@ def test_truncated_default_gguf(default_source, tmp_path):
 def test_dir_holding_a_gguf_points_at_the_file(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     assert_load_error(tmp_path, "config.json", "pass the .gguf file itself")
+
+
+def test_end_of_turn_ids_read_from_tokenizer_json_match_the_tokenizer(tiny_model_dirs):
+    from tokenizers import Tokenizer
+
+    from lockstep.model_loader.stop_tokens import END_OF_TURN_TOKENS, _token_ids
+    from lockstep.testing.tiny_models import tiny_tokenizer_dir
+
+    dirs = [tiny_tokenizer_dir(), *tiny_model_dirs.values()]
+    for d in dirs:
+        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        expected = {t: i for t in END_OF_TURN_TOKENS if (i := tok.token_to_id(t)) is not None}
+        assert _token_ids(d / "tokenizer.json", END_OF_TURN_TOKENS) == expected, d
+    assert _token_ids(tiny_tokenizer_dir() / "tokenizer.json", ["<|im_end|>"]) == {"<|im_end|>": 5}
+
+
+@pytest.mark.real_model
+def test_default_end_of_turn_id(default_source):
+    from lockstep.model_loader.stop_tokens import END_OF_TURN_TOKENS, _token_ids
+
+    assert _token_ids(default_source.model_dir / "tokenizer.json", END_OF_TURN_TOKENS) == {
+        "<end_of_turn>": 106}

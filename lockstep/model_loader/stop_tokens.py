@@ -14,8 +14,6 @@ END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>",
 def stop_token_ids(model_dir: str | Path, eos_token_ids: Iterable[int]) -> list[int]:
     """EOS ids of the config and generation_config.json, and the end-of-turn tokens the
     tokenizer has."""
-    from tokenizers import Tokenizer
-
     ids = set(eos_token_ids)
     gen = Path(model_dir) / "generation_config.json"
     if gen.exists():
@@ -23,6 +21,22 @@ def stop_token_ids(model_dir: str | Path, eos_token_ids: Iterable[int]) -> list[
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     tok_file = Path(model_dir) / "tokenizer.json"
     if tok_file.exists():
-        tok = Tokenizer.from_file(str(tok_file))
-        ids |= {i for t in END_OF_TURN_TOKENS if (i := tok.token_to_id(t)) is not None}
+        ids |= set(_token_ids(tok_file, END_OF_TURN_TOKENS).values())
     return sorted(ids)
+
+
+def _token_ids(tok_file: Path, tokens: Iterable[str]) -> dict[str, int]:
+    """{token: id} for those of `tokens` the tokenizer has, looked up as `token_to_id` does
+    (added tokens, then the model's vocabulary) in tokenizer.json itself: building the tokenizer
+    would keep ~250 MB resident in every scheduler for a 262k vocabulary."""
+    data = json.loads(tok_file.read_text(encoding="utf-8"))
+    vocab = data.get("model", {}).get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
+        vocab = {piece[0]: i for i, piece in enumerate(vocab)}
+    added = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    found = {}
+    for token in tokens:
+        token_id = added.get(token, vocab.get(token))
+        if token_id is not None:
+            found[token] = int(token_id)
+    return found
