@@ -26,6 +26,7 @@ from lockstep.testing.inproc import greedy_req
 NEW: dict[str, Any] = {
     "gather": attention.PagedAttention.__dict__["_gather"],
     "mm": attention.PagedAttention._matmul_attention,
+    "one": attention.PagedAttention._one_query,  # a CPU decode step's per-request attention
     "argmax": sampler._argmax,
     "norm": norm.RMSNorm.forward,
 }
@@ -42,6 +43,11 @@ def old_mm(self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
                                           enable_gqa=self.n_heads != self.n_kv_heads)
 
 
+def old_one(self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, scale=self.scaling,
+                                          enable_gqa=self.n_heads != self.n_kv_heads)
+
+
 def old_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -50,13 +56,14 @@ def old_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
     return self.weight * xf.to(x.dtype)
 
 
-OLD: dict[str, Any] = {"gather": staticmethod(old_gather), "mm": old_mm,
+OLD: dict[str, Any] = {"gather": staticmethod(old_gather), "mm": old_mm, "one": old_one,
                        "argmax": lambda x: x.argmax(-1), "norm": old_norm}
 
 
 def use(impl: dict[str, Any]) -> None:
     attention.PagedAttention._gather = impl["gather"]
     attention.PagedAttention._matmul_attention = impl["mm"]
+    attention.PagedAttention._one_query = impl["one"]
     sampler._argmax = impl["argmax"]
     norm.RMSNorm.forward = impl["norm"]
 
@@ -64,7 +71,8 @@ def use(impl: dict[str, Any]) -> None:
 def main() -> None:
     batch, steps = int(sys.argv[1]), int(sys.argv[2])
     only = sys.argv[3] if len(sys.argv) > 3 else None
-    old = {k: (OLD[k] if only in (None, k) else NEW[k]) for k in NEW}
+    # "mm" names the attention math: the batched path's and a CPU decode's per-request one.
+    old = {k: (OLD[k] if only in (None, k) or (only, k) == ("mm", "one") else NEW[k]) for k in NEW}
     tok = load_tokenizer(str(resolve_model(None).model_dir))
     prompts = make_prompts(tok, batch, 256, 0)
     bench = LockstepBench(None, "auto", batch, 256 + steps, 16, 0)
