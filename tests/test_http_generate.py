@@ -438,7 +438,10 @@ BAD_INPUTS = [
                                    "tools": [{"type": "function"}]}, 400, "tool"),
     _case("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "a"}]}, 404, "gpt-4"),
     _case("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
-                                   "response_format": {"type": "json_object"}}, 400, "json_object"),
+                                   "response_format": {"type": "xml"}}, 400, "response_format"),
+    _case("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuchtype"}}}},
+        400, "nosuchtype"),
     _case("/abort_request", {}, 400, "rid"),
     _case("/no/such/route", None, 404, "no route", method="GET"),
     _case("/generate", None, 405, "not allowed", method="DELETE"),
