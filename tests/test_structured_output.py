@@ -412,13 +412,13 @@ def test_tp2_equals_tp1_for_constrained_requests(server, tmp_path):
             ("Sum:", {"ebnf": EBNF}),
             ("A person:", {"json_schema": json.dumps(SCHEMA), "temperature": 0.8, "seed": 3}),
             ("Once upon a time", {})]
-    tp1 = [generate(server, p, max_new_tokens=48, temperature=0, **c) for p, c in jobs]
+    jobs = [(p, {"max_new_tokens": 48, "temperature": 0, **c}) for p, c in jobs]
+    tp1 = [generate(server, p, **c) for p, c in jobs]
     tp2 = LiveServer("--tp-size", "2", "--max-total-tokens", "8192", "--enable-lockstep-check", "1",
                      log_dir=tmp_path)
     try:
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-            outs = list(pool.map(lambda j: generate(tp2, j[0], max_new_tokens=48, temperature=0,
-                                                    **j[1]), jobs))
+            outs = list(pool.map(lambda j: generate(tp2, j[0], **j[1]), jobs))
         assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in tp1]
         assert [o["meta_info"]["finish_reason"] for o in outs] == [
             o["meta_info"]["finish_reason"] for o in tp1]
