@@ -62,18 +62,20 @@ class PagedAttention(nn.Module):
 
     def _per_request(self, q: torch.Tensor, meta: AttentionMetadata,
                      pool: TokenToKVPool) -> torch.Tensor:
-        # One gather for the batch; each request then reads its own slice, laid out in memory as
-        # it would be alone.
-        keys_all = self._gather(pool.k_buffer[self.layer_id], meta.kv_indices)  # [B, Hkv, L, D]
-        vals_all = self._gather(pool.v_buffer[self.layer_id], meta.kv_indices)
+        # One gather of the batch's keys, unpadded; each request then reads its own rows, laid
+        # out in memory as they would be alone.
+        keys_all = pool.k_buffer[self.layer_id].index_select(0, meta.kv_flat)  # [sum L, Hkv, D]
+        vals_all = pool.v_buffer[self.layer_id].index_select(0, meta.kv_flat)
         outs = []
-        for r, (start, qn, kn) in enumerate(meta.spans):
+        for r, (start, qn, kn, k0) in enumerate(meta.spans):
             qr = q[start:start + qn].unsqueeze(0).transpose(1, 2)  # [1, H, Q, D]
-            if qn == 1:  # decode: the visible keys are one range, no mask needed
-                lo = 0 if self.window is None else max(0, kn - self.window)
-                out = self._one_query(qr, keys_all[r:r + 1, :, lo:kn], vals_all[r:r + 1, :, lo:kn])
+            # decode: the visible keys are one range, no mask needed
+            lo = 0 if qn > 1 or self.window is None else max(0, kn - self.window)
+            keys = keys_all[k0 + lo:k0 + kn].unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
+            vals = vals_all[k0 + lo:k0 + kn].unsqueeze(0).transpose(1, 2)
+            if qn == 1:
+                out = self._one_query(qr, keys, vals)
             else:
-                keys, vals = keys_all[r:r + 1, :, :kn], vals_all[r:r + 1, :, :kn]
                 mask = meta.masks[self.window][r:r + 1, :, :qn, :kn]
                 if self.softcap is None:
                     out = F.scaled_dot_product_attention(

@@ -22,9 +22,11 @@ class AttentionMetadata:
     kv_indices: torch.Tensor  # [B, L] KV slots per request, padded with the scratch slot 0
     q_scatter: torch.Tensor  # [T] flat token -> row in the padded [B * Q] query grid
     max_q: int
+    # For attention one request at a time: every request's KV slots back to back, unpadded, and
+    # per request (first query row, queries, keys, first row of its keys in kv_flat).
+    kv_flat: torch.Tensor
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B,1,Q,L]
-    # Per request: (first flat query row, queries, keys), for attention one request at a time.
-    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -68,10 +70,13 @@ class ForwardBatch:
             # Padding queries see key 0 only, so softmax never divides by zero; they are dropped.
             m = m | (padded_q[:, :, None] & (k_idx == 0)[None, None, :])
             masks[w] = m.unsqueeze(1)
-        kv = torch.where(k_idx[None, :] < seq[:, None], kv, 0)
-        spans = list(zip(starts.tolist(), ext.tolist(), seq.tolist()))
-        self.attn = AttentionMetadata(kv, row_of_token * max_q + col_of_token, max_q, masks,
-                                      spans)
+        real = k_idx[None, :] < seq[:, None]
+        kv_flat = kv[real]
+        kv = torch.where(real, kv, 0)
+        k_starts = torch.cumsum(seq, 0) - seq
+        spans = list(zip(starts.tolist(), ext.tolist(), seq.tolist(), k_starts.tolist()))
+        self.attn = AttentionMetadata(kv, row_of_token * max_q + col_of_token, max_q, kv_flat,
+                                      masks, spans)
 
 
 def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:
