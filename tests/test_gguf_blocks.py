@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lockstep import kernels
 from lockstep.distributed.parallel_state import SINGLE, ParallelGroup
 from lockstep.entrypoints.engine import launch_subprocesses
-from lockstep.kernels import has_kernel, quantize
+from lockstep.kernels import has_bf16_kernel, has_kernel, quantize
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -189,3 +190,42 @@ def test_default_path_is_bitwise_batch_invariant(default_prompts):
         alone = run([i])[f"r{i}"]
         assert alone.output_ids == batch[f"r{i}"].output_ids, i
         assert alone.logprobs == batch[f"r{i}"].logprobs, i  # exact, not approx
+
+
+@pytest.mark.skipif(not has_bf16_kernel("Q8_0"), reason="--dtype bfloat16 on blocks needs the "
+                    "compiled AVX-512 kernels and the CPU flag amx_bf16, which this machine lacks")
+def test_bfloat16_serves_blocks_on_amx_batch_invariant_and_close_to_float32(tmp_path, monkeypatch):
+    """--dtype bfloat16 on a GGUF: every block linear and the head run the AMX bf16 kernel on the
+    blocks (no float copy), a request alone equals itself in a batch bitwise, and greedy output
+    starts as float32's does."""
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf(tiny_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
+    calls: list[str] = []
+    amx = kernels.linear_bf16
+
+    def spy(x, blocks_, qtype, n_cols):
+        calls.append(qtype)
+        return amx(x, blocks_, qtype, n_cols)
+
+    monkeypatch.setattr(kernels, "linear_bf16", spy)
+    prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62, 63, 64], [1, 5, 6, 7],
+               [1, 300, 301, 2, 9, 9, 9, 11, 12, 13, 14, 15, 16]]
+    kw = dict(max_total_tokens=2048, disable_radix_cache=True, chunked_prefill_size=-1)
+    sched = make_scheduler(path, dtype="bfloat16", **kw)
+    linears = [m for m in sched.worker.runner.model.modules() if hasattr(m, "parts")]
+    assert linears and all(m.weight is None for m in linears)
+    assert all(isinstance(p, BlockWeight) for m in linears for p in m.parts)
+
+    def run(s, ids: list[int]) -> dict:
+        return run_to_completion(s, [greedy_req(f"r{i}", prompts[i], 12, return_logprob=True)
+                                     for i in ids])
+
+    batch = run(sched, list(range(len(prompts))))
+    assert calls and "Q8_0" in calls
+    for i in range(len(prompts)):
+        alone = run(sched, [i])[f"r{i}"]
+        assert alone.output_ids == batch[f"r{i}"].output_ids, i
+        assert alone.logprobs == batch[f"r{i}"].logprobs, i  # exact, not approx
+    exact = run(make_scheduler(path, **kw), list(range(len(prompts))))
+    for i in range(len(prompts)):
+        assert batch[f"r{i}"].output_ids[:3] == exact[f"r{i}"].output_ids[:3], i

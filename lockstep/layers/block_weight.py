@@ -69,15 +69,26 @@ def pack(weight: torch.Tensor, qtype: str, name: str = "") -> BlockWeight:
 
 
 def uses_kernel(weight: BlockWeight, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a layer of this dtype on this device multiplies by the blocks themselves: the
-    kernels are CPU and take float32 activations; anything else runs on dequantized floats."""
-    return dtype == torch.float32 and device.type == "cpu" and kernels.has_kernel(weight.qtype)
+    """Whether a layer of this dtype on this device multiplies by the blocks themselves: float32
+    layers on the exact kernels, bfloat16 layers on the AMX bfloat16 kernels where this CPU runs
+    them; anything else runs on dequantized floats (torch's bfloat16 matmul, as before)."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.float32:
+        return kernels.has_kernel(weight.qtype)
+    return dtype == torch.bfloat16 and kernels.has_bf16_kernel(weight.qtype)
 
 
 def block_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
-    """x [..., K] float32 @ weight^T -> [..., N] float32."""
-    rows = x.reshape(-1, weight.n_cols).contiguous()
-    y = kernels.linear(rows, weight.blocks, weight.qtype, weight.n_cols)
+    """x [..., K] @ weight^T -> [..., N] in x's dtype. float32 x: the exact kernel. bfloat16 x
+    (--dtype bfloat16): the AMX kernel, which sums bf16 products in float32, batch invariant;
+    widening x to float32 first loses nothing since the kernel rounds it back to bf16."""
+    rows = x.reshape(-1, weight.n_cols)
+    if x.dtype == torch.bfloat16:
+        y = kernels.linear_bf16(rows.float(), weight.blocks, weight.qtype, weight.n_cols)
+        y = y.to(torch.bfloat16)
+    else:
+        y = kernels.linear(rows.contiguous(), weight.blocks, weight.qtype, weight.n_cols)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -13,7 +13,14 @@ from torch import nn
 
 from lockstep import kernels
 from lockstep.distributed.parallel_state import ParallelGroup
-from lockstep.layers.block_weight import BlockWeight, Part, matmul_parts, pack, settle
+from lockstep.layers.block_weight import (
+    BlockWeight,
+    Part,
+    matmul_parts,
+    pack,
+    settle,
+    uses_kernel,
+)
 from lockstep.layers.linear import _copy, _param
 
 
@@ -52,8 +59,10 @@ class VocabParallelEmbedding(nn.Module):
         """Settle a block table; returns the block types dequantized here (no kernel)."""
         if self.table is None:
             return []
-        if self._dtype != torch.float32 or self._device.type != "cpu":
-            # Lookups in another dtype or on a GPU: one float table, as a float checkpoint has.
+        if self._device.type != "cpu" or (self._dtype != torch.float32
+                                           and not uses_kernel(self.table, self._dtype, self._device)):
+            # Lookups in a dtype no kernel serves or on a GPU: one float table, as a float
+            # checkpoint has (float32 and AMX bfloat16 lookups read the blocks).
             self.weight = nn.Parameter(self.table.dequantize().to(self._device, self._dtype),
                                        requires_grad=False)
             self.table = None
@@ -77,7 +86,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(local_ids, self.weight)
         t = self.table
         out = kernels.embedding(local_ids.reshape(-1), t.blocks, t.qtype, t.n_cols)
-        return out.view(*local_ids.shape, self.hidden)
+        return out.to(self._dtype).view(*local_ids.shape, self.hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for this rank's vocab slice, gathered so every rank sees the full row."""
