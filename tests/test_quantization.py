@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lockstep.entrypoints.engine import launch_subprocesses
-from lockstep.kernels import dequantize, quantize
+from lockstep.kernels import dequantize, has_bf16_kernel, quantize
+from lockstep.layers import quantization
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -87,13 +88,35 @@ def test_quantized_tp2_processes_match_a_quantized_single_rank(tiny_model_dirs):
 
 @pytest.mark.parametrize("changes, says", [
     ({"device": "cuda"}, "with --device cpu"),
-    ({"dtype": "bfloat16"}, "use --dtype auto or float32 instead of --dtype bfloat16"),
     ({"dtype": "float16"}, "use --dtype auto or float32 instead of --dtype float16"),
 ])
 def test_unsupported_combinations_fail_with_a_clear_message(changes, says):
     with pytest.raises(ValueError, match="--quantization q8_0") as info:
         ServerArgs(quantization="q8_0", **changes)
     assert says in str(info.value)
+
+
+def test_bfloat16_with_quantization_needs_amx_bf16(monkeypatch):
+    """--dtype bfloat16 runs packed weights on the AMX kernels: refused at start, naming the
+    missing flag, on a CPU without them; accepted on one with them."""
+    monkeypatch.setattr(quantization, "_amx_bf16_lacking", lambda: ["amx_bf16"])
+    with pytest.raises(ValueError, match="lacks the flag\\(s\\) amx_bf16: use --dtype auto or "
+                                         "float32 instead of --dtype bfloat16"):
+        ServerArgs(quantization="q8_0", dtype="bfloat16")
+    monkeypatch.setattr(quantization, "_amx_bf16_lacking", lambda: [])
+    ServerArgs(quantization="q8_0", dtype="bfloat16")
+
+
+@pytest.mark.skipif(not has_bf16_kernel("Q8_0"), reason="the AMX bfloat16 kernels need the CPU "
+                    "flag amx_bf16 and the AVX-512 kernels, which this machine lacks")
+def test_bfloat16_keeps_packed_blocks_on_amx(tiny_model_dirs):
+    model = make_scheduler(tiny_model_dirs["qwen2"], max_total_tokens=1024, quantization="q8_0",
+                           dtype="bfloat16").worker.runner.model
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert len(linears) == 16 and all(m.weight is None for m in linears)
+    assert all(isinstance(p, BlockWeight) and p.qtype == "Q8_0" for m in linears for p in m.parts)
+    table = next(m for m in model.modules() if isinstance(m, VocabParallelEmbedding))
+    assert table.weight is None and table.table is not None
 
 
 def test_auto_dtype_combines_with_quantization():

@@ -1,5 +1,6 @@
 """`--quantization`: pack a float (safetensors) checkpoint's weights into GGML blocks at load, so
-it runs on the same block kernels as a GGUF (`lockstep.kernels`, see block_weight.py).
+it runs on the same block kernels as a GGUF (`lockstep.kernels`, see block_weight.py); with
+--dtype bfloat16 on a CPU with AMX, on the AMX bfloat16 kernels over the same blocks.
 
 Every linear, the embedding table and the LM head are packed; norms and biases stay float. The
 kernels take float32 activations and run on the CPU, so the flag needs both; a GGUF's weights are
@@ -29,8 +30,22 @@ def quantization_problems(method: str | None, device: str, dtype: str) -> list[s
         problems.append(f"--quantization {method} packs weights for the CPU kernels: serve it "
                         "with --device cpu, or drop --quantization and use --dtype float16 or "
                         "bfloat16 on a GPU")
-    if dtype not in ("auto", "float32"):
+    if dtype == "bfloat16" and device == "cpu":
+        lacking = _amx_bf16_lacking()
+        if lacking:
+            problems.append(f"--quantization {method} with --dtype bfloat16 runs the AMX bfloat16 "
+                            f"kernels, and this CPU lacks the flag(s) {', '.join(lacking)}: use "
+                            "--dtype auto or float32 instead of --dtype bfloat16, or drop "
+                            "--quantization")
+    elif dtype not in ("auto", "float32"):
         problems.append(f"--quantization {method} runs float32 activations on the packed "
-                        f"weights: use --dtype auto or float32 instead of --dtype {dtype}, or "
-                        "drop --quantization")
+                        f"weights (or bfloat16 ones on an AMX CPU): use --dtype auto or float32 "
+                        f"instead of --dtype {dtype}, or drop --quantization")
     return problems
+
+
+def _amx_bf16_lacking() -> list[str]:
+    # Imported here: the kernels' build module imports torch, which this module's importers avoid.
+    from lockstep.kernels.build import missing_flags
+
+    return missing_flags("amx_bf16")
