@@ -168,6 +168,8 @@ def _plan(tools: Any, choice: Any, parser: str | None, parallel: bool | None = N
     ([_tool("f")], "auto", None, "--tool-call-parser"),
     ([_tool("f")], None, None, "--tool-call-parser"),
     ([_tool("f")], "sometimes", "qwen25", "tool_choice"),
+    ([_tool("f", {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}})],
+     "required", None, "tool_choice 'required' forces .* cannot be enforced: .*look-around"),
 ])
 def test_bad_tool_requests_name_the_problem(tools, choice, parser, message) -> None:
     with pytest.raises(ToolRequestError, match=message):
@@ -288,6 +290,55 @@ def client(tiny_server: LiveServer) -> openai.OpenAI:
                          timeout=120)
 
 
+def test_function_calling_round_trip(client: openai.OpenAI) -> None:
+    model = MODEL
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,
+                                           tool_choice=named, max_tokens=64, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    _valid_call(choice.message.tool_calls[0])
+    call = choice.message.tool_calls[0]
+    # The same request streamed: the same call, in OpenAI's delta order.
+    content, calls, finish = _streamed(client, model=model, messages=ASK, tools=TOOLS,
+                                       tool_choice=named, max_tokens=64, temperature=0)
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", call.function.arguments)]
+    # The call's result goes back as a tool message, and the model answers.
+    history = [*ASK, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny"}'}]
+    second = client.chat.completions.create(model=model, messages=history, tools=TOOLS,
+                                            max_tokens=8, temperature=0)  # "auto"
+    answer = second.choices[0]
+    assert answer.message.tool_calls is None and isinstance(answer.message.content, str)
+    assert answer.finish_reason in ("stop", "length")
+    # The tools and the history (the call and its result) were rendered into the prompt.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20
+
+
+def test_required_gives_valid_calls_streamed_or_not(client: openai.OpenAI) -> None:
+    # A random model, forced into the call array, makes a handful of calls before it closes it.
+    for parallel in (True, False):
+        out = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400,
+            temperature=0, parallel_tool_calls=parallel)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.tool_calls and all(map(_valid_call, choice.message.tool_calls))
+        assert parallel or len(choice.message.tool_calls) == 1
+        assert len({c.id for c in choice.message.tool_calls}) == len(choice.message.tool_calls)
+        if parallel:
+            continue  # streaming is compared on the shorter, single-call reply
+        content, calls, finish = _streamed(
+            client, model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+            max_tokens=400, temperature=0, parallel_tool_calls=parallel)
+        assert finish == "tool_calls" and not content
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
 def test_auto_and_none(client: openai.OpenAI) -> None:
     """Under "auto" the parser reads the reply (a random model writes text); streamed and not
     agree. "none" keeps the tools out of the prompt."""
@@ -312,7 +363,6 @@ def test_auto_and_none(client: openai.OpenAI) -> None:
     ({"tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
      "'get_stock' is not among tools"),
     ({"tools": None, "tool_choice": "required"}, "'required' needs tools"),
-    ({"tool_choice": "required"}, "not supported yet"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{
         "id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{tz"}}]}]},
      "arguments must be a JSON object"),
@@ -334,6 +384,23 @@ def real_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     server = shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                          timeout=300)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "get_time"}}])
+def test_forced_calls_on_the_real_model_validate(real_client: openai.OpenAI,
+                                                 tool_choice: Any) -> None:
+    out = real_client.chat.completions.create(
+        model=real_client.models.list().data[0].id, messages=[{"role": "user", "content": "What time is it in Berlin?"}],
+        tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=60,
+        temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert len(choice.message.tool_calls) == 1
+    _valid_call(choice.message.tool_calls[0])
+    if isinstance(tool_choice, dict):
+        assert choice.message.tool_calls[0].function.name == "get_time"
 
 
 @pytest.mark.real_model

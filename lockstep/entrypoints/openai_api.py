@@ -163,15 +163,10 @@ class OpenAIServing:
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         try:
-            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+            return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                               self.tool_call_parser)
         except ToolRequestError as e:
             raise RequestError(str(e)) from None
-        if plan is not None and plan.json_schema() is not None:
-            # Forcing a call needs grammar-constrained decoding, which has not landed yet.
-            raise RequestError("tool_choice 'required' and named functions are not supported "
-                               "yet (they need constrained decoding); use 'auto'")
-        return plan
 
     async def render_chat_prompt(self, req: ChatCompletionRequest,
                                  plan: ToolPlan | None = None) -> list[int]:
@@ -273,8 +268,9 @@ class OpenAIServing:
         self.check_model(req.model)
         plan = self.tool_plan(req)
         ids = await self.render_chat_prompt(req, plan)
+        forced = plan.json_schema() if plan is not None else None  # "required" or named
         gen_in = GenerateReqInput(
-            input_ids=ids, sampling_params=req.to_sampling_params(), stream=req.stream,
+            input_ids=ids, sampling_params=req.to_sampling_params(forced), stream=req.stream,
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True)
         check_fanout(gen_in, self.args.max_batch_size)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import jsonschema_rs
 
+from lockstep.constrained import Constraint, ConstraintError, validate_constraint
 from lockstep.entrypoints.protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
@@ -101,9 +102,19 @@ def plan_tools(tools: Sequence[Tool] | None, tool_choice: str | NamedToolChoice 
             "one: start the server with --tool-call-parser "
             f"({', '.join(sorted(TOOL_CALL_PARSERS))}), or use tool_choice 'required' or a "
             "named function, which need none")
-    return ToolPlan(mode=mode, tools=tuple(rendered), parameters=parameters,
+    plan = ToolPlan(mode=mode, tools=tuple(rendered), parameters=parameters,
                     parallel=parallel_tool_calls is not False, forced_name=forced,
                     parser_name=parser_name if mode == "auto" else None)
+    schema = plan.json_schema()
+    if schema is not None:
+        try:
+            validate_constraint(Constraint("json_schema", schema))
+        except ConstraintError as e:
+            what = f"the function {forced!r}" if forced else "'required'"
+            raise ToolRequestError(
+                f"tool_choice {what} forces the arguments to match the parameters schema, and "
+                f"this one cannot be enforced: {e}") from None
+    return plan
 
 
 def _check_parameters(where: str, parameters: dict[str, Any]) -> None:
