@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -337,6 +338,26 @@ def test_required_gives_valid_calls_streamed_or_not(client: openai.OpenAI) -> No
         assert finish == "tool_calls" and not content
         assert [(c["name"], c["arguments"]) for c in calls] == [
             (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_auto_reads_the_call_the_model_writes(client: openai.OpenAI) -> None:
+    """Under "auto" the server's parser (qwen25, the Qwen family's) turns the model's
+    <tool_call> markup into tool_calls; SGLang's regex makes the random model write it."""
+    written = ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Lima", "days": 2}}\n</tool_call>')
+    kwargs: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200,
+                                  temperature=0, extra_body={"regex": re.escape(written)})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    calls = [(c.function.name, _valid_call(c)) for c in choice.message.tool_calls]
+    assert calls == [("get_time", {"tz": "UTC"}), ("get_weather", {"city": "Lima", "days": 2})]
+    content, streamed, finish = _streamed(client, **kwargs)
+    assert (content, finish) == ("Let me check.", "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == calls
+    # parallel_tool_calls false: the first call only.
+    one = client.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["get_time"]
 
 
 def test_auto_and_none(client: openai.OpenAI) -> None:
