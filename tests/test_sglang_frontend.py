@@ -9,6 +9,7 @@ when pip cannot reach the package index."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -53,7 +54,10 @@ print(json.dumps({k: state[k] for k in ("answer", "date", "yes_no", "legs")}))
 
 @pytest.fixture(scope="module")
 def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.getbasetemp().parent / f"venv-{SGLANG.replace('==', '-')}"
+    # Keyed by this environment: the venv links to its site-packages (the .pth below), so a
+    # venv made for another checkout's environment must not be reused.
+    env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    root = tmp_path_factory.getbasetemp().parent / f"venv-{SGLANG.replace('==', '-')}-{env}"
     python = root / "bin" / "python"
     ready = root / "lockstep-ready"
     if ready.exists():
