@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from lockstep.function_call.json_call import JsonCallScanner, Status
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -81,6 +83,7 @@ class ToolCallParser(ABC):
         self._calls: list[list[str]] = []  # [id, name, arguments...]
         self._open_call = False
         self._malformed = False
+        self._scanner: JsonCallScanner | None = None  # the JSON call being read
 
     # ---- public --------------------------------------------------------------------------
     def feed(self, text: str) -> StreamDelta:
@@ -163,6 +166,26 @@ class ToolCallParser(ABC):
         self._after_call = True
         if not ok:
             self._malformed = True
+
+    def _open_json_call(self, at: int) -> None:
+        """Start reading a {"name": ..., "arguments": ...} object at `at`."""
+        self._pos = at
+        self._scanner = JsonCallScanner(self.tool_names, at, self._start_call, self._arguments)
+
+    def _advance_json_call(self, final: bool) -> Status:
+        """Feed the call being read. DONE: the call ended and `_pos` is past it; FAILED: not a
+        call of this shape (ended as malformed if its name was already announced); MORE: more
+        text is needed."""
+        scanner = self._scanner
+        if scanner is None:
+            return Status.MORE
+        status = scanner.advance(self._buf, final)
+        if status is Status.DONE:
+            self._pos = scanner.end
+            self._end_call(ok=True)
+        elif status is Status.FAILED and scanner.announced:
+            self._end_call(ok=False)
+        return status
 
     # ---- internals -----------------------------------------------------------------------
     def _release(self, text: str) -> None:

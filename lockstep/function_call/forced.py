@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 
 from lockstep.function_call.core import ToolCallParser
-from lockstep.function_call.json_call import JsonCallScanner, Status
+from lockstep.function_call.json_call import Status
 
 
 class CallArrayParser(ToolCallParser):
@@ -23,7 +23,6 @@ class CallArrayParser(ToolCallParser):
     def __init__(self, tool_names: Iterable[str]) -> None:
         super().__init__(tool_names)
         self._mode = "open"
-        self._scanner: JsonCallScanner | None = None
 
     def _step(self, final: bool) -> bool:
         rest = self._buf[self._pos:]
@@ -57,24 +56,16 @@ class CallArrayParser(ToolCallParser):
         return True
 
     def _open_block(self) -> None:
-        self._scanner = JsonCallScanner(self.tool_names, self._pos, self._start_call,
-                                        self._arguments)
+        self._open_json_call(self._pos)
         self._mode = "block"
 
     def _block(self, final: bool) -> bool:
-        scanner = self._scanner
-        if scanner is None:
-            return False
-        status = scanner.advance(self._buf, final)
+        status = self._advance_json_call(final)
         if status is Status.MORE:
             return False
         if status is Status.DONE:
-            self._end_call(ok=True)
-            self._pos = scanner.end
             self._mode = "next"
         else:
-            if scanner.announced:
-                self._end_call(ok=False)
             self._malformed = True
             self._mode = "broken"
         return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from lockstep.function_call.core import ToolCallParser, partial_suffix
-from lockstep.function_call.json_call import JsonCallScanner, Status
+from lockstep.function_call.json_call import Status
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -20,16 +20,13 @@ class Llama3Parser(ToolCallParser):
     def __init__(self, tool_names: Iterable[str]) -> None:
         super().__init__(tool_names)
         self._mode = "start"
-        self._scanner: JsonCallScanner | None = None
         self._block_start = 0
         self._marker_len = 0
 
     def _open_block(self, at: int, marker_len: int) -> None:
         self._block_start = at
         self._marker_len = marker_len
-        self._pos = at + marker_len
-        self._scanner = JsonCallScanner(self.tool_names, self._pos, self._start_call,
-                                        self._arguments)
+        self._open_json_call(at + marker_len)
         self._mode = "block"
 
     def _step(self, final: bool) -> bool:
@@ -62,18 +59,12 @@ class Llama3Parser(ToolCallParser):
         return False
 
     def _block(self, final: bool) -> bool:
-        scanner = self._scanner
-        if scanner is None:
-            return False
-        status = scanner.advance(self._buf, final)
+        status = self._advance_json_call(final)
         if status is Status.MORE:
             return False
         if status is Status.DONE:
-            self._pos = scanner.end
-            self._end_call(ok=True)
             self._mode = "after"
-        elif scanner.announced:
-            self._end_call(ok=False)
+        elif self._scanner is not None and self._scanner.announced:
             self._mode = "discard"
         else:  # not a call: its first character (or the tag) is text
             n = max(1, self._marker_len)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from lockstep.function_call.core import ToolCallParser, partial_suffix
-from lockstep.function_call.json_call import JsonCallScanner, Status
+from lockstep.function_call.json_call import Status
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -20,7 +20,6 @@ class Qwen25Parser(ToolCallParser):
     def __init__(self, tool_names: Iterable[str]) -> None:
         super().__init__(tool_names)
         self._mode = "content"
-        self._scanner: JsonCallScanner | None = None
         self._block_start = 0
 
     def _step(self, final: bool) -> bool:
@@ -34,9 +33,7 @@ class Qwen25Parser(ToolCallParser):
                 return False
             self._content(rest[:i])
             self._block_start = self._pos + i
-            self._pos = self._block_start + len(START)
-            self._scanner = JsonCallScanner(self.tool_names, self._pos, self._start_call,
-                                            self._arguments)
+            self._open_json_call(self._block_start + len(START))
             self._mode = "block"
             return True
         if self._mode == "block":
@@ -60,19 +57,13 @@ class Qwen25Parser(ToolCallParser):
         return False
 
     def _block(self, final: bool) -> bool:
-        scanner = self._scanner
-        if scanner is None:
-            return False
-        status = scanner.advance(self._buf, final)
+        status = self._advance_json_call(final)
         if status is Status.MORE:
             return False
         if status is Status.DONE:
-            self._pos = scanner.end
-            self._end_call(ok=True)
             self._mode = "block_end"
-        elif scanner.announced:
-            self._end_call(ok=False)
-            self._pos = scanner.i
+        elif self._scanner is not None and self._scanner.announced:
+            self._pos = self._scanner.i
             self._mode = "discard"
         else:  # not a call after all: the tag is text, and scanning resumes after it
             self._content(START)
