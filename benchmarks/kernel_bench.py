@@ -7,7 +7,8 @@ and a Q4_K 2048 -> 640 layer (the first one in the file with that shape), plus t
 round runs each contestant once, in turn, so load from other processes falls on all of them alike; the
 figure is the minimum over rounds (and the median, to show the spread). At M = 1 the GB/s column is the
 weight bytes each contestant reads over its time (blocks for the kernels, float32 / bfloat16 for torch).
-"amx bf16 (opt-in)" is lockstep.kernels.linear_bf16's compiled path (bfloat16 operands, not the exact path).
+"amx bf16 (opt-in)" is lockstep.kernels.linear_bf16's compiled path (bfloat16 operands, not the exact path);
+"<variant> int8 (opt-in)" is lockstep.kernels.linear_int8 (activations quantized per block of 32 to int8).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lockstep.kernels import dequantize
+from lockstep.kernels import INT8_QTYPES, dequantize
 from lockstep.kernels.build import VARIANTS, load_variant, missing_flags
 
 
@@ -65,9 +66,17 @@ def contestants(modules: dict, x: torch.Tensor, blocks: torch.Tensor, qtype: str
     }
     if "avx512" in modules and not missing_flags("amx_bf16"):
         out["amx bf16 (opt-in)"] = lambda: modules["avx512"].linear_amx_bf16(xb, blocks, qtype, k)
+    if qtype in INT8_QTYPES:
+        for v, mod in int8_modules(modules).items():
+            out[f"{v} int8 (opt-in)"] = lambda mod=mod: mod.linear_int8(x, blocks, qtype, k)
     out["torch f32"] = lambda: F.linear(x, w32)
     out["torch bf16"] = lambda: F.linear(xb, w16)
     return out
+
+
+def int8_modules(modules: dict) -> dict:
+    """The variants whose int8 path this CPU runs (AVX-512's needs VNNI)."""
+    return {v: mod for v, mod in modules.items() if v != "avx512" or not missing_flags("int8_vnni")}
 
 
 def model_step(modules: dict, reps: int, batches: list[int]) -> None:
@@ -99,9 +108,15 @@ def model_step(modules: dict, reps: int, batches: list[int]) -> None:
             for b, q, k in weights:
                 mod.linear_amx_bf16(xs[k].bfloat16(), b, q, k)
 
+        def int8(mod=None, xs=xs):
+            for b, q, k in weights:
+                (mod.linear_int8 if q in INT8_QTYPES else mod.linear)(xs[k], b, q, k)
+
         funcs = {v: (lambda mod=mod: kernel(mod)) for v, mod in modules.items()}
         if "avx512" in modules and not missing_flags("amx_bf16"):
             funcs["amx bf16 (opt-in)"] = amx
+        for v, mod in int8_modules(modules).items():
+            funcs[f"{v} int8 (opt-in)"] = lambda mod=mod: int8(mod)
         funcs["torch f32"] = torch_f32
         times = rounds(funcs, reps)
         print(f"step M={m}: " + " | ".join(

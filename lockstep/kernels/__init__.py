@@ -4,25 +4,30 @@
 the machine has them and fall back to the plain-torch reference in `blocks` otherwise.
 """
 
-from lockstep.kernels.blocks import GGML_BLOCKS, dequantize, quantize, row_bytes
+from lockstep.kernels.blocks import GGML_BLOCKS, INT8_QTYPES, dequantize, quantize, row_bytes
 from lockstep.kernels.ops import (
     embedding,
     has_bf16_kernel,
+    has_int8_kernel,
     has_kernel,
     kernel_variant,
     linear,
     linear_bf16,
+    linear_int8,
 )
 
 __all__ = [
     "GGML_BLOCKS",
+    "INT8_QTYPES",
     "dequantize",
     "embedding",
     "has_bf16_kernel",
+    "has_int8_kernel",
     "has_kernel",
     "kernel_variant",
     "linear",
     "linear_bf16",
+    "linear_int8",
     "quantize",
     "row_bytes",
 ]

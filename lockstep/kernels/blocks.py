@@ -170,3 +170,89 @@ def quantize(qtype: str, weight: torch.Tensor) -> torch.Tensor:
         dtype = torch.float16 if qtype == "F16" else torch.bfloat16
         return w.to(dtype).view(torch.uint8).reshape(n, nbytes)
     return _quant_blocks(qtype, w.reshape(-1, 32)).reshape(n, nbytes)
+
+
+# ---------------------------------------------------------------- int8 activations (opt-in)
+# The arithmetic of the compiled int8 path (csrc/int8.h), step for step, so the two give the same bits.
+INT8_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [M, K] -> (int8 q [M, K], float32 d [M, K/32]): per block of 32, d = max|x| / 127 and
+    q = round-half-even(x * (1 / d)); a block whose d is below the smallest normal float is zeros."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32:
+        raise ValueError(f"quantize_int8 takes float32 [M, K], K a multiple of 32, got {x.dtype} {list(x.shape)}")
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    d = xb.abs().amax(dim=-1) / 127
+    ok = d >= torch.finfo(torch.float32).tiny
+    inv = torch.where(ok, 1.0 / d, torch.zeros_like(d))
+    d = torch.where(ok, d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int8)
+    return q.reshape(m, k), d
+
+
+def _int8_weight(qtype: str, blocks: torch.Tensor, n_cols: int) -> dict[str, torch.Tensor]:
+    """A weight's integer quants (int32 [N, K]) and per-32-block scales ([N, K/32]) as the int8 path uses
+    them: w = d * q for Q8_0/Q4_0/Q5_0 (q signed, offset removed); Q4_K keeps its unsigned q with the
+    6-bit scale `sc` and min `mn`; Q6_K's q is signed with two int8 scales per block (`sc` [N, K/32, 2])."""
+    n = blocks.shape[0]
+    per_block, nbytes = GGML_BLOCKS[qtype]
+    b = blocks.contiguous().reshape(-1, nbytes)
+    if qtype in ("Q8_0", "Q4_0", "Q5_0"):
+        if qtype == "Q8_0":
+            q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32)
+        elif qtype == "Q4_0":
+            q = _nibbles(b[:, 2:]).to(torch.int32) - 8
+        else:
+            qh = b[:, 2:6].contiguous().view(torch.int32)
+            hi = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+            q = (_nibbles(b[:, 6:]).to(torch.int32) | (hi << 4)) - 16
+        return {"q": q.reshape(n, n_cols), "d": _f16(b[:, 0:2]).reshape(n, -1)}
+    if qtype == "Q4_K":
+        sc, mn = _q4_k_scale_min(b[:, 4:16])
+        q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 256).to(torch.int32)
+        rep = lambda t: t.unsqueeze(-1).expand(-1, 8).reshape(n, -1)  # noqa: E731  (per super-block -> per group)
+        return {"q": q.reshape(n, n_cols), "sc": sc.to(torch.int32).reshape(n, -1),
+                "mn": mn.to(torch.int32).reshape(n, -1), "d": rep(_f16(b[:, 0:2])), "dmin": rep(_f16(b[:, 2:4]))}
+    if qtype == "Q6_K":
+        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+        high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)
+        q = ((_nibbles(ql) | (high << 4)).to(torch.int32) - 32).reshape(n, n_cols)
+        sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.int32).reshape(n, -1, 2)
+        d = _f16(b[:, 208:210]).unsqueeze(-1).expand(-1, 8).reshape(n, -1)
+        return {"q": q, "sc": sc, "d": d}
+    raise ValueError(f"no int8 path for {qtype}; it serves {list(INT8_QTYPES)}")
+
+
+def _int_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact integer a [M, L] . b [N, L]^T (float64 holds these sums exactly) -> int64 [M, N]."""
+    return (a.double() @ b.double().T).to(torch.int64)
+
+
+def linear_int8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
+    """float32 x [M, K] times the blocks with int8 activations: the numbers the compiled path gives
+    (see csrc/int8.h for the arithmetic), float32 [M, N]."""
+    if qtype not in INT8_QTYPES:
+        raise ValueError(f"no int8 path for {qtype}; it serves {list(INT8_QTYPES)}")
+    check_blocks(qtype, blocks, n_cols)
+    q, dx = quantize_int8(x)
+    w = _int8_weight(qtype, blocks, n_cols)
+    acc = torch.zeros(x.shape[0], blocks.shape[0])
+    for blk in range(n_cols // 32):
+        cols = slice(32 * blk, 32 * blk + 32)
+        xq, wq = q[:, cols], w["q"][:, cols]
+        s = dx[:, blk : blk + 1] * w["d"][:, blk]
+        if qtype == "Q6_K":
+            isum = (_int_dot(xq[:, :16], wq[:, :16]) * w["sc"][:, blk, 0]
+                    + _int_dot(xq[:, 16:], wq[:, 16:]) * w["sc"][:, blk, 1])
+        elif qtype == "Q4_K":
+            isum = _int_dot(xq, wq) * w["sc"][:, blk]
+        else:
+            isum = _int_dot(xq, wq)
+        v = isum.float() * s
+        if qtype == "Q4_K":
+            mn = xq.to(torch.int64).sum(dim=1, keepdim=True) * w["mn"][:, blk]
+            v = v - mn.float() * (dx[:, blk : blk + 1] * w["dmin"][:, blk])
+        acc = acc + v
+    return acc

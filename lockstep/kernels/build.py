@@ -61,9 +61,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# the AVX-512 variant's int8 path (int8.h) runs VNNI's dpbusd
+INT8_VNNI_FLAGS = ("avx512_vnni",)
+
+
 def missing_flags(variant: str) -> list[str]:
-    """The CPU flags `variant` needs that this CPU lacks ("amx_bf16": the AMX bfloat16 path)."""
-    needed = (*REQUIRED_FLAGS["avx512"], *AMX_BF16_FLAGS) if variant == "amx_bf16" else REQUIRED_FLAGS[variant]
+    """The CPU flags `variant` needs that this CPU lacks ("amx_bf16": the AMX bfloat16 path,
+    "int8_vnni": the AVX-512 variant's int8 path)."""
+    extra = {"amx_bf16": AMX_BF16_FLAGS, "int8_vnni": INT8_VNNI_FLAGS}
+    needed = (*REQUIRED_FLAGS["avx512"], *extra[variant]) if variant in extra else REQUIRED_FLAGS[variant]
     return [f for f in needed if f not in cpu_flags()]
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.kernels.blocks import GGML_BLOCKS, check_blocks, dequantize
+from lockstep.kernels.blocks import (
+    GGML_BLOCKS,
+    INT8_QTYPES,
+    check_blocks,
+    dequantize,
+    linear_int8_reference,
+)
 from lockstep.kernels.build import missing_flags, selected
 
 # the compiled kernels work in groups of 32 input elements; float rows of other lengths use the reference
@@ -75,3 +81,28 @@ def linear_bf16(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) 
     if has_bf16_kernel(qtype) and _compiled_serves(x, blocks, n_cols):
         return selected()[1].linear_amx_bf16(xb, blocks, qtype, n_cols)
     return (xb @ dequantize(qtype, blocks, n_cols).to(torch.bfloat16).T).float()
+
+
+def has_int8_kernel(qtype: str) -> bool:
+    """True when `linear_int8` runs compiled for `qtype` on this machine now (the AVX-512 variant needs VNNI)."""
+    return (qtype in INT8_QTYPES and has_kernel(qtype)
+            and (kernel_variant() != "avx512" or not missing_flags("int8_vnni")))
+
+
+def linear_int8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
+    """Opt-in batched path, llama.cpp's arithmetic: each row of float32 x [M, K] quantized per block of
+    32 to int8 with a float32 scale, integer dot products against the weight blocks' quants, scaled
+    and summed in float32 per output element in block order -> float32 [M, N].
+
+    Batch invariant like `linear` (a row's output depends on that row and W only) and bitwise the
+    same on every variant and the torch reference (`blocks.linear_int8_reference`); the numbers
+    differ from `linear`'s by the activation rounding, so callers offer it behind a flag.
+    Block types in INT8_QTYPES only (float weights have nothing to gain: use `linear`).
+    """
+    check_blocks(qtype, blocks, n_cols)
+    _check_x(x, n_cols)
+    if qtype not in INT8_QTYPES:
+        raise ValueError(f"no int8 path for {qtype}; it serves {list(INT8_QTYPES)}")
+    if has_int8_kernel(qtype) and _compiled_serves(x, blocks, n_cols):
+        return selected()[1].linear_int8(x.contiguous(), blocks, qtype, n_cols)
+    return linear_int8_reference(x, blocks, qtype, n_cols)

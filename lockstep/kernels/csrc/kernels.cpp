@@ -443,6 +443,8 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, const std:
 
 
 
+#include "int8.h"  // the opt-in int8 activation path, inside this namespace: it reuses the decoders' helpers
+
 #ifdef LOCKSTEP_AVX512
 #include "amx_bf16.h"  // the opt-in AMX bfloat16 path, inside this namespace: it reuses the decoders
 #endif
@@ -452,6 +454,8 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, const std:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("embedding", &embedding, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("linear_int8", &linear_int8, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("quantize_int8", &quantize_int8, pybind11::call_guard<pybind11::gil_scoped_release>());
 #ifdef LOCKSTEP_AVX512
   mod.def("linear_amx_bf16", &linear_amx_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
 #endif

@@ -1,0 +1,152 @@
+"""The opt-in int8 activation path: compiled variants bitwise equal to the torch reference, batch invariant,
+and close to the exact float path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lockstep.kernels import INT8_QTYPES, dequantize
+from lockstep.kernels.blocks import linear_int8_reference, quantize_int8
+from tests.test_kernels import (
+    assert_batch_invariant,
+    compiled,
+    default_gguf,
+    random_blocks,
+    variant_params,
+)
+
+
+def int8_variant_params() -> list:
+    """The compiled variants this CPU runs the int8 path of (AVX-512's needs VNNI)."""
+    from lockstep.kernels.build import missing_flags
+
+    out = []
+    for p in variant_params():
+        v = p.values[0]
+        lacking = missing_flags("int8_vnni" if v == "avx512" else v)
+        mark = pytest.mark.skipif(bool(lacking), reason=f"this CPU lacks {', '.join(lacking)} for {v} int8")
+        out.append(pytest.param(v, marks=mark))
+    return out
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Activation-like rows: a spread of magnitudes, an outlier, an all-zero block, a tiny block."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+    x[0, 5] = 60.0
+    x[-1, 32:64] = 0.0
+    x[m // 2, :32] *= 1e-30
+    return x
+
+
+def test_reference_quantization_is_round_half_even_per_block() -> None:
+    x = torch.zeros(2, 64)
+    x[0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # d = 1: halves go to the even neighbour
+    x[1, 32] = 1e-39  # d below the smallest normal float: the block is zeros
+    q, d = quantize_int8(x)
+    assert q.dtype == torch.int8 and d.dtype == torch.float32 and d.shape == (2, 2)
+    assert q[0, :4].tolist() == [127, 0, 2, -2] and d[0, 0].item() == 1.0
+    assert d[0, 1].item() == 0.0 and not q[0, 32:].any()
+    assert d[1, 1].item() == 0.0 and not q[1].any()
+
+
+@pytest.mark.parametrize("qtype", INT8_QTYPES)
+def test_reference_is_close_to_the_exact_product(qtype: str) -> None:
+    """The arithmetic is what it claims: int8 activation rounding off x @ W.T, nothing else."""
+    k = 512
+    blocks = random_blocks(qtype, 37, k, seed=3)
+    x = activations(9, k, seed=4)
+    exact = x.double() @ dequantize(qtype, blocks, k).double().T
+    q, d = quantize_int8(x)
+    xq = (q.float().reshape(9, -1, 32) * d.unsqueeze(-1)).reshape(9, k)
+    rounded = xq.double() @ dequantize(qtype, blocks, k).double().T
+    y = linear_int8_reference(x, blocks, qtype, k)
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(y.double(), rounded, rtol=0, atol=1e-5 * scale)  # float32 sums of the same
+    assert (y.double() - exact).abs().max().item() < 0.02 * scale  # and the rounding is small
+
+
+@pytest.mark.parametrize("variant", int8_variant_params())
+def test_compiled_quantization_is_the_reference_bitwise(variant: str) -> None:
+    x = activations(19, 640, seed=5)
+    q, d = compiled(variant).quantize_int8(x)
+    rq, rd = quantize_int8(x)
+    assert torch.equal(q, rq) and torch.equal(d, rd)
+
+
+@pytest.mark.parametrize("variant", int8_variant_params())
+@pytest.mark.parametrize("qtype", INT8_QTYPES)
+def test_linear_int8_is_the_reference_bitwise_and_batch_invariant(variant: str, qtype: str) -> None:
+    mod = compiled(variant)
+    k = 512
+    for n in (1, 37):  # one row; rows not a multiple of any tile or panel
+        blocks = random_blocks(qtype, n, k, seed=n + 20)
+        x = activations(64, k, seed=n)
+        for m in (1, 2, 5, 16, 17, 33, 64):  # within one 16-row group, across groups, partial groups
+            xm = x[:m].contiguous()
+            assert torch.equal(mod.linear_int8(xm, blocks, qtype, k), linear_int8_reference(xm, blocks, qtype, k))
+        assert_batch_invariant(lambda a, b=blocks: mod.linear_int8(a.contiguous(), b, qtype, k), x[:32])
+
+
+@pytest.mark.parametrize("variant", int8_variant_params())
+def test_panels_and_strided_shards(variant: str) -> None:
+    """More rows than one panel (the last one partial), K past one panel's budget, and a row-parallel
+    shard (a column slice of whole blocks) served without a copy."""
+    mod = compiled(variant)
+    blocks = random_blocks("Q4_K", 203, 2048, seed=30)
+    x = activations(20, 2048, seed=31)
+    assert torch.equal(mod.linear_int8(x, blocks, "Q4_K", 2048), linear_int8_reference(x, blocks, "Q4_K", 2048))
+    shard = blocks[:, 144 * 2 : 144 * 4]
+    assert not shard.is_contiguous()
+    assert torch.equal(mod.linear_int8(x[:, :512].contiguous(), shard, "Q4_K", 512),
+                       linear_int8_reference(x[:, :512].contiguous(), shard.contiguous(), "Q4_K", 512))
+
+
+def test_variants_agree_bitwise() -> None:
+    from lockstep.kernels.build import missing_flags
+
+    if missing_flags("int8_vnni"):
+        pytest.skip(f"this CPU lacks {', '.join(missing_flags('int8_vnni'))} for the avx512 int8 path")
+    x = activations(21, 768, seed=8)
+    for qtype in ("Q8_0", "Q5_0", "Q4_0"):
+        blocks = random_blocks(qtype, 45, 768, seed=9)
+        ys = [compiled(v).linear_int8(x, blocks, qtype, 768) for v in ("avx2", "avx512")]
+        assert torch.equal(*ys), qtype
+
+
+@pytest.mark.parametrize("variant", int8_variant_params())
+def test_default_gguf_weights_head_and_a_layer(variant: str) -> None:
+    """The default model's own blocks: the tied 262k Q8_0 head alone vs in a batch, and its Q4_K / Q6_K / Q5_0
+    linears against the reference."""
+    mod = compiled(variant)
+    tensors = {t.name: t for t in default_gguf().tensors}
+    head = torch.from_numpy(np.array(tensors["token_embd.weight"].data))
+    x = activations(3, 640, seed=12)
+    y = mod.linear_int8(x, head, "Q8_0", 640)
+    assert y.shape == (3, 262144) and torch.equal(mod.linear_int8(x[1:2].contiguous(), head, "Q8_0", 640)[0], y[1])
+    assert torch.equal(y[:, :4096], linear_int8_reference(x, head[:4096], "Q8_0", 640))
+    for t in default_gguf().tensors:
+        qtype = t.tensor_type.name
+        if t.name.startswith("blk.0.") and qtype in INT8_QTYPES:
+            k = int(t.shape[0])
+            w = torch.from_numpy(np.array(t.data))
+            xk = activations(18, k, seed=k)
+            assert torch.equal(mod.linear_int8(xk, w, qtype, k), linear_int8_reference(xk, w, qtype, k)), t.name
+
+
+def test_public_api() -> None:
+    from lockstep.kernels import has_int8_kernel, kernel_variant, linear_int8
+    from lockstep.kernels.build import missing_flags
+
+    blocks = random_blocks("Q5_0", 40, 256, seed=13)
+    x = activations(6, 256, seed=14)
+    assert torch.equal(linear_int8(x, blocks, "Q5_0", 256), linear_int8_reference(x, blocks, "Q5_0", 256))
+    variant = kernel_variant()
+    expect = variant == "avx2" or (variant == "avx512" and not missing_flags("int8_vnni"))
+    assert has_int8_kernel("Q5_0") == expect and not has_int8_kernel("F16")
+    with pytest.raises(ValueError, match="no int8 path for F16"):
+        linear_int8(x, random_blocks("F16", 4, 256, seed=1), "F16", 256)
+    with pytest.raises(ValueError, match=r"float32 x \[M, 256\]"):
+        linear_int8(x.double(), blocks, "Q5_0", 256)
