@@ -1,10 +1,11 @@
 """Attention over the paged KV pool.
 
-Every layer writes its new K/V into the pool first, then gathers each request's keys by slot.
-On a CPU each request's attention then runs on its own exact [query, key] shapes, so its numbers
-are bitwise the same whatever it is batched with (padding a request to its neighbours' lengths
-changes how the softmax and the value sums are blocked, and so their rounding). On a GPU one
-masked SDPA runs over the padded [batch, query, key] grid."""
+Every layer writes its new K/V into the pool first. On a CPU each request's attention then runs
+on its own exact [query, key] shapes, so its numbers are bitwise the same whatever it is batched
+with (padding a request to its neighbours' lengths changes how the softmax and the value sums are
+blocked, and so their rounding): a one-query request (decode) in the decode kernel
+(lockstep.kernels.decode), which reads its keys in place by slot, a longer one in SDPA over its
+gathered keys. On a GPU one masked SDPA runs over the padded [batch, query, key] grid."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.kernels.decode import decode_attention
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 from lockstep.model_executor.forward_batch import AttentionMetadata, ForwardBatch
 
@@ -62,38 +64,39 @@ class PagedAttention(nn.Module):
 
     def _per_request(self, q: torch.Tensor, meta: AttentionMetadata,
                      pool: TokenToKVPool) -> torch.Tensor:
+        k_buf, v_buf = pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id]
+        # Every one-query request (decode) takes the same road whatever shares its batch: the decode
+        # kernel, reading its keys in place from the pool.
+        one = None
+        if meta.one_query_rows is not None and meta.one_query_rows.numel():
+            qo = q if meta.max_q == 1 else q.index_select(0, meta.one_query_rows)
+            one = decode_attention(qo, k_buf, v_buf, meta.kv_flat, meta.one_query_kv_starts,
+                                   meta.one_query_kv_lens, self.scaling, self.softcap, self.window)
+            if meta.max_q == 1:
+                return one
         # One gather of the batch's keys, unpadded; each request then reads its own rows, laid
         # out in memory as they would be alone.
-        keys_all = pool.k_buffer[self.layer_id].index_select(0, meta.kv_flat)  # [sum L, Hkv, D]
-        vals_all = pool.v_buffer[self.layer_id].index_select(0, meta.kv_flat)
+        keys_all = k_buf.index_select(0, meta.kv_flat)  # [sum L, Hkv, D]
+        vals_all = v_buf.index_select(0, meta.kv_flat)
         outs = []
+        n_one = 0
         for r, (start, qn, kn, k0) in enumerate(meta.spans):
-            qr = q[start:start + qn].unsqueeze(0).transpose(1, 2)  # [1, H, Q, D]
-            # decode: the visible keys are one range, no mask needed
-            lo = 0 if qn > 1 or self.window is None else max(0, kn - self.window)
-            keys = keys_all[k0 + lo:k0 + kn].unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
-            vals = vals_all[k0 + lo:k0 + kn].unsqueeze(0).transpose(1, 2)
             if qn == 1:
-                out = self._one_query(qr, keys, vals)
+                outs.append(one[n_one:n_one + 1])
+                n_one += 1
+                continue
+            qr = q[start:start + qn].unsqueeze(0).transpose(1, 2)  # [1, H, Q, D]
+            keys = keys_all[k0:k0 + kn].unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
+            vals = vals_all[k0:k0 + kn].unsqueeze(0).transpose(1, 2)
+            mask = meta.masks[self.window][r:r + 1, :, :qn, :kn]
+            if self.softcap is None:
+                out = F.scaled_dot_product_attention(
+                    qr, keys, vals, attn_mask=mask, scale=self.scaling,
+                    enable_gqa=self.n_heads != self.n_kv_heads)
             else:
-                mask = meta.masks[self.window][r:r + 1, :, :qn, :kn]
-                if self.softcap is None:
-                    out = F.scaled_dot_product_attention(
-                        qr, keys, vals, attn_mask=mask, scale=self.scaling,
-                        enable_gqa=self.n_heads != self.n_kv_heads)
-                else:
-                    out = self._matmul_attention(qr, keys, vals, mask)
+                out = self._matmul_attention(qr, keys, vals, mask)
             outs.append(out.transpose(1, 2).reshape(qn, self.n_heads * self.head_dim))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _one_query(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [1, H, 1, D]; k, v: [1, Hkv, L, D], every key visible -> [1, H, 1, D]."""
-        h, d = q.shape[1], q.shape[3]
-        hkv = k.shape[1]
-        scores = torch.matmul(q.reshape(1, hkv, h // hkv, d), k.transpose(-1, -2)).mul_(self.scaling)
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        return torch.matmul(scores.softmax(-1), v).view(1, h, 1, d)
 
     @staticmethod
     def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,11 @@ class AttentionMetadata:
     kv_flat: torch.Tensor
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B,1,Q,L]
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # The requests with one query (decode), for the decode kernel: their query rows [R], and the first
+    # row of their keys in kv_flat and how many [R].
+    one_query_rows: torch.Tensor | None = None
+    one_query_kv_starts: torch.Tensor | None = None
+    one_query_kv_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -75,8 +80,9 @@ class ForwardBatch:
         kv = torch.where(real, kv, 0)
         k_starts = torch.cumsum(seq, 0) - seq
         spans = list(zip(starts.tolist(), ext.tolist(), seq.tolist(), k_starts.tolist()))
+        one = ext == 1
         self.attn = AttentionMetadata(kv, row_of_token * max_q + col_of_token, max_q, kv_flat,
-                                      masks, spans)
+                                      masks, spans, starts[one], k_starts[one], seq[one])
 
 
 def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -444,6 +445,8 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, const std:
 
 
 #include "int8.h"  // the opt-in int8 activation path, inside this namespace: it reuses the decoders' helpers
+#include "argmax.h"  // greedy sampling's row argmax
+#include "attention.h"  // decode attention over the paged KV pool
 
 #ifdef LOCKSTEP_AVX512
 #include "amx_bf16.h"  // the opt-in AMX bfloat16 path, inside this namespace: it reuses the decoders
@@ -456,6 +459,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("embedding", &embedding, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("linear_int8", &linear_int8, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("quantize_int8", &quantize_int8, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("decode_attention", &decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("argmax_rows", &argmax_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
 #ifdef LOCKSTEP_AVX512
   mod.def("linear_amx_bf16", &linear_amx_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
 #endif

@@ -1,0 +1,219 @@
+// Included by kernels.cpp inside its anonymous namespace (uses V, vfma, reduce32 and UNROLL).
+#pragma once
+
+// ---------------------------------------------------------------- decode attention over the KV pool
+// One query per request against that request's keys, read in place from the pool by slot (no gather
+// copy). Work item = (request, KV head, chunk of kChunk keys): the query heads sharing the KV head are
+// computed together, so each K and V row is read once. Chunks are cut from the request's own visible
+// key range, so how a request's numbers are summed depends only on its keys, never on the batch,
+// the thread count or the variant:
+//   score = reduce32 of a 32-lane fma dot product (the linear kernels' lane order), * scaling,
+//           then softcap * tanh(score / softcap) when softcapped;
+//   per chunk: m = max score, e = exp(score - m) (exp8 below), l = sum of e (8 lanes, in key
+//           order, then a fixed tree), acc = sum of e * v in increasing key order (fma);
+//   combined over chunks in chunk order: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
+// exp8 and the lane trees are the same instructions in both builds, so AVX2 and AVX-512 agree bitwise.
+
+constexpr int64_t kChunk = 256;  // keys per work item: long contexts split across threads
+
+// exp(x) for x <= 0 on 8 lanes (Cephes' expf: exponent split with a two-part ln 2, degree-6
+// polynomial); x below -87 gives about 1e-38 rather than 0, which no softmax can tell apart.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
+
+inline float sum8(__m256 h) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+
+#ifdef LOCKSTEP_AVX512
+constexpr int kDotHeads = 4;  // query heads dotted with one key row at a time (accumulators in registers)
+#else
+constexpr int kDotHeads = 2;
+#endif
+
+// s[h * stride] = dot(q_h, k) for NH heads whose rows are qd apart; d is a multiple of 16 (element i
+// goes to lane i % 32)
+template <int NH>
+inline void dot_heads(const float* q, int64_t qd, const float* k, int64_t d, float* s, int64_t stride) {
+  V acc[NH][2];
+  UNROLL for (int h = 0; h < NH; ++h) acc[h][0] = acc[h][1] = vzero();
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    const V k0 = vload(k + i), k1 = vload(k + i + 16);
+    UNROLL for (int h = 0; h < NH; ++h) {
+      acc[h][0] = vfma(vload(q + h * qd + i), k0, acc[h][0]);
+      acc[h][1] = vfma(vload(q + h * qd + i + 16), k1, acc[h][1]);
+    }
+  }
+  if (i < d) {
+    const V k0 = vload(k + i);
+    UNROLL for (int h = 0; h < NH; ++h) acc[h][0] = vfma(vload(q + h * qd + i), k0, acc[h][0]);
+  }
+  UNROLL for (int h = 0; h < NH; ++h) s[h * stride] = reduce32(acc[h][0], acc[h][1]);
+}
+
+struct DecodeShape {
+  int64_t heads, kv_heads, group, dim;  // group = heads / kv_heads
+  float scaling, softcap;               // softcap 0: off
+};
+
+// One work item: keys kv_slots[first .. first + n) (n <= kChunk) for query heads [g0, g0 + group) of KV
+// head `kvh`. Writes m[h], l[h] and acc[h][dim] (unnormalized) for each head of the group.
+void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, const float* vbuf,
+                  const int64_t* slots, int64_t n, int64_t kvh, float* scores, float* m, float* l,
+                  float* acc) {
+  const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d, np = (n + 7) / 8 * 8;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = kbuf + slots[j] * row + kvh * d;
+    int64_t h = 0;
+    for (; h + kDotHeads <= g; h += kDotHeads) dot_heads<kDotHeads>(q + h * d, d, k, d, scores + h * np + j, np);
+    for (; h < g; ++h) dot_heads<1>(q + h * d, d, k, d, scores + h * np + j, np);
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    float* s = scores + h * np;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      float x = s[j] * sh.scaling;
+      if (sh.softcap > 0.0f) x = sh.softcap * std::tanh(x / sh.softcap);
+      s[j] = x;
+      mx = std::max(mx, x);
+    }
+    __m256 sum = _mm256_setzero_ps();
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (int64_t j = 0; j < np; j += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+      if (j + 8 > n) {  // the padding lanes past n count as 0
+        const __m256 idx = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(j)),
+                                         _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+        e = _mm256_and_ps(e, _mm256_cmp_ps(idx, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ));
+      }
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    m[h] = mx;
+    l[h] = sum8(sum);
+  }
+  // acc[h] = sum_j e[h][j] * v_j, keys in order; 64 output lanes at a time stay in registers
+  for (int64_t h = 0; h < g; ++h) {
+    const float* e = scores + h * np;
+    int64_t c = 0;
+    for (; c + 64 <= d; c += 64) {
+      V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = vbuf + slots[j] * row + kvh * d + c;
+        const V p = vset1(e[j]);
+        a0 = vfma(p, vload(v), a0);
+        a1 = vfma(p, vload(v + 16), a1);
+        a2 = vfma(p, vload(v + 32), a2);
+        a3 = vfma(p, vload(v + 48), a3);
+      }
+      float* o = acc + h * d + c;
+      vstore(o, a0);
+      vstore(o + 16, a1);
+      vstore(o + 32, a2);
+      vstore(o + 48, a3);
+    }
+    for (; c < d; c += 16) {
+      V a0 = vzero();
+      for (int64_t j = 0; j < n; ++j) a0 = vfma(vset1(e[j]), vload(vbuf + slots[j] * row + kvh * d + c), a0);
+      vstore(acc + h * d + c, a0);
+    }
+  }
+}
+
+// q [R, H, D]; k/v buffers [S, Hkv, D]; request r reads slots kv_slots[start[r] .. start[r] + len[r]),
+// the last `window` of them when window > 0 -> out [R, H * D]
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& kv_slots, const at::Tensor& start, const at::Tensor& len,
+                            double scaling, double softcap, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(),
+              "q must be contiguous float32 [R, H, D] on the CPU");
+  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat && k_buf.dim() == 3 &&
+                  k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() &&
+                  k_buf.device().is_cpu() && v_buf.device().is_cpu(),
+              "K and V buffers must be contiguous float32 [S, Hkv, D] of one shape on the CPU");
+  for (const at::Tensor* t : {&kv_slots, &start, &len})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
+                "slots, starts and lengths must be contiguous int64 vectors");
+  const int64_t r_n = q.size(0), h_n = q.size(1), d = q.size(2), kvh_n = k_buf.size(1), s_n = k_buf.size(0);
+  TORCH_CHECK(k_buf.size(2) == d && d % 16 == 0, "head dim must match and be a multiple of 16, got ", d);
+  TORCH_CHECK(kvh_n > 0 && h_n % kvh_n == 0, "query heads ", h_n, " not a multiple of KV heads ", kvh_n);
+  TORCH_CHECK(start.size(0) == r_n && len.size(0) == r_n, "one start and length per query row");
+  const int64_t* sp = start.data_ptr<int64_t>();
+  const int64_t* lp = len.data_ptr<int64_t>();
+  const int64_t* slots = kv_slots.data_ptr<int64_t>();
+  const int64_t n_slots = kv_slots.size(0);
+  // per request: first visible key (its window) and first work item
+  std::vector<int64_t> lo(r_n), item0(r_n + 1, 0);
+  for (int64_t r = 0; r < r_n; ++r) {
+    TORCH_CHECK(lp[r] > 0 && sp[r] >= 0 && sp[r] + lp[r] <= n_slots, "request ", r, " keys out of range");
+    lo[r] = window > 0 ? std::max<int64_t>(0, lp[r] - window) : 0;
+    for (int64_t j = sp[r] + lo[r]; j < sp[r] + lp[r]; ++j)
+      TORCH_CHECK(slots[j] >= 0 && slots[j] < s_n, "KV slot ", slots[j], " out of range [0, ", s_n, ")");
+    item0[r + 1] = item0[r] + (lp[r] - lo[r] + kChunk - 1) / kChunk * kvh_n;
+  }
+  const DecodeShape sh{h_n, kvh_n, h_n / kvh_n, d, static_cast<float>(scaling), static_cast<float>(softcap)};
+  at::Tensor out = at::empty({r_n, h_n * d}, q.options());
+  if (r_n == 0) return out;
+  const int64_t items = item0[r_n], g = sh.group;
+  // per item and head of its group: m, l, then acc[d]
+  std::vector<float> part(static_cast<size_t>(items * g * (d + 2)));
+  const float* qp = q.data_ptr<float>();
+  const float* kb = k_buf.data_ptr<float>();
+  const float* vb = v_buf.data_ptr<float>();
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(static_cast<size_t>(g * kChunk));
+    int64_t r = std::upper_bound(item0.begin(), item0.end(), i0) - item0.begin() - 1;
+    for (int64_t i = i0; i < i1; ++i) {
+      while (i >= item0[r + 1]) ++r;
+      const int64_t local = i - item0[r], kvh = local % kvh_n, c = local / kvh_n;
+      const int64_t first = sp[r] + lo[r] + c * kChunk;
+      const int64_t n = std::min(kChunk, sp[r] + lp[r] - first);
+      float* pp = part.data() + i * g * (d + 2);
+      attend_chunk(sh, qp + (r * h_n + kvh * g) * d, kb, vb, slots + first, n, kvh, scores.data(), pp, pp + g,
+                   pp + 2 * g);
+    }
+  });
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, r_n * kvh_n, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t r = w / kvh_n, kvh = w % kvh_n, chunks = (item0[r + 1] - item0[r]) / kvh_n;
+      for (int64_t h = 0; h < g; ++h) {
+        float* o = op + (r * h_n + kvh * g + h) * d;
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part[(item0[r] + c * kvh_n + kvh) * g * (d + 2) + h]);
+        float l = 0.0f;
+        for (int64_t x = 0; x < d; ++x) o[x] = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pp = part.data() + (item0[r] + c * kvh_n + kvh) * g * (d + 2);
+          const float f = chunks == 1 ? 1.0f : exp1(pp[h] - mx);
+          l += f * pp[g + h];
+          const float* a = pp + 2 * g + h * d;
+          for (int64_t x = 0; x < d; x += 16) vstore(o + x, vfma(vset1(f), vload(a + x), vload(o + x)));
+        }
+        const V inv = vset1(1.0f / l);
+        for (int64_t x = 0; x < d; x += 16) vstore(o + x, vmul(vload(o + x), inv));
+      }
+    }
+  });
+  return out;
+}

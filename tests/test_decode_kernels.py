@@ -1,0 +1,110 @@
+"""The compiled decode attention and row argmax against their torch references, on every variant this CPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lockstep.kernels import decode
+from lockstep.kernels.decode import argmax, decode_attention, decode_attention_reference
+from tests.test_kernels import compiled, variant_params
+
+# (query heads, KV heads, head dim): Gemma 3 270M's 4:1 at 256, 4:1 at 64, no grouping, 3:1 at 80 (not a
+# multiple of 32), the tiny test models' 16
+SHAPES = [(4, 1, 256), (8, 2, 64), (2, 2, 128), (6, 2, 80), (4, 2, 16)]
+
+
+def make_pool(h: int, hkv: int, d: int, lens: list[int], seed: int = 0):
+    """A K/V pool with every request's keys on shuffled slots, as a pool fragments over time."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    size = total + 7
+    k_buf = torch.randn(size, hkv, d, generator=g)
+    v_buf = torch.randn(size, hkv, d, generator=g)
+    slots = torch.randperm(size - 1, generator=g)[:total] + 1
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    q = torch.randn(len(lens), h, d, generator=g) * 2.0  # peaked enough that softmax is not uniform
+    return q, k_buf, v_buf, slots, starts, lens_t
+
+
+def run(variant: str, q, k_buf, v_buf, slots, starts, lens, scaling, softcap, window) -> torch.Tensor:
+    return compiled(variant).decode_attention(q.contiguous(), k_buf, v_buf, slots, starts, lens, scaling,
+                                              softcap or 0.0, window or 0)
+
+
+@pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("softcap", "window"), [(None, None), (None, 512), (50.0, None), (20.0, 16)])
+def test_decode_attention_matches_reference_and_is_batch_invariant(variant, shape, softcap, window) -> None:
+    h, hkv, d = shape
+    lens = [1, 2, 7, 16, 17, 100, 255, 256, 257, 511, 513, 600]
+    q, k_buf, v_buf, slots, starts, lens_t = make_pool(h, hkv, d, lens, seed=d + h)
+    args = (0.1, softcap, window)
+    out = run(variant, q, k_buf, v_buf, slots, starts, lens_t, *args)
+    ref = decode_attention_reference(q.double(), k_buf.double(), v_buf.double(), slots, starts, lens_t, *args)
+    assert out.shape == (len(lens), h * d) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    for i in range(len(lens)):
+        alone = run(variant, q[i:i + 1], k_buf, v_buf, slots, starts[i:i + 1], lens_t[i:i + 1], *args)
+        assert torch.equal(alone[0], out[i]), f"request {i} (len {lens[i]}) differs alone vs in the batch"
+    perm = torch.randperm(len(lens), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(run(variant, q[perm], k_buf, v_buf, slots, starts[perm], lens_t[perm], *args), out[perm])
+
+
+def test_decode_attention_variants_agree_bitwise() -> None:
+    from lockstep.kernels.build import missing_flags
+
+    if missing_flags("avx512") or missing_flags("avx2"):
+        pytest.skip("needs a CPU that runs both variants")
+    lens = [3, 140, 300, 700]
+    q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 256, lens)
+    for args in ((0.0625, None, None), (0.0625, 30.0, 512)):
+        assert torch.equal(run("avx2", q, k_buf, v_buf, slots, starts, lens_t, *args),
+                           run("avx512", q, k_buf, v_buf, slots, starts, lens_t, *args))
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_decode_attention_rejects_slots_outside_the_pool(variant) -> None:
+    q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 64, [5])
+    bad = slots.clone()
+    bad[2] = k_buf.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        run(variant, q, k_buf, v_buf, bad, starts, lens_t, 0.1, None, None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        run(variant, q, k_buf, v_buf, slots, starts, lens_t + 1, 0.1, None, None)
+
+
+def test_public_api_falls_back_to_the_reference(monkeypatch) -> None:
+    q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 24, [4, 9])  # 24: not a multiple of 16
+    args = (q, k_buf, v_buf, slots, starts, lens_t, 0.1, None, 4)
+    assert torch.equal(decode_attention(*args), decode_attention_reference(*args))
+    monkeypatch.setattr(decode, "selected", lambda: ("torch", None))
+    x = torch.randn(3, 1000)
+    assert torch.equal(argmax(x), x.argmax(-1))
+    q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 64, [4, 9])
+    args = (q, k_buf, v_buf, slots, starts, lens_t, 0.1, None, None)
+    assert torch.equal(decode_attention(*args), decode_attention_reference(*args))
+
+
+def argmax_cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(32, 262144, generator=g)
+    ties = torch.randint(0, 3, (5, 70001), generator=g).float()  # many equal maxima, across segments
+    edge = torch.randn(6, 65537, generator=g)
+    edge[0] = float("-inf")  # a fully masked row
+    edge[1, 40000] = float("inf")
+    edge[2, 100] = float("nan")
+    edge[2, 50000] = float("nan")
+    edge[3, 65536] = 100.0  # the tail element, past the last whole vector
+    edge[4, 32768] = edge[4, 3] = 50.0  # tie between segments: the first segment wins
+    edge[5, :] = 0.0
+    edge[5, 7] = -0.0
+    return [big, big[:1], ties, edge, torch.randn(4, 3, generator=g), big[:, 5:70000]]
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_argmax_rows_equals_torch(variant) -> None:
+    for x in argmax_cases():
+        assert torch.equal(compiled(variant).argmax_rows(x), x.max(dim=-1).indices)
+        assert torch.equal(compiled(variant).argmax_rows(x), x.argmax(dim=-1))
