@@ -15,7 +15,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lockstep.function_call.registry import TOOL_CALL_PARSERS
-from lockstep.layers.quantization import QUANTIZATION_METHODS, quantization_problems
+from lockstep.layers.quantization import (
+    QUANTIZATION_METHODS,
+    int8_activation_problems,
+    quantization_problems,
+)
 from lockstep.utils.process import free_port
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -55,6 +59,12 @@ class ServerArgs:
               "block kernels (a GGUF is in blocks already): q8_0, q4_0 or fp16 weights, float32 "
               "activations (--device cpu, --dtype auto or float32).", "model",
         choices=list(QUANTIZATION_METHODS))
+    int8_activations: bool = arg(
+        False, "Opt-in, CPU: multiply the integer weight blocks (Q8_0/Q4_0/Q5_0/Q4_K/Q6_K) by "
+               "activations quantized per block of 32 to int8 (llama.cpp's arithmetic) at every "
+               "batch size: faster at large batches and prefill, still independent of the batch, "
+               "but not the exact path's numbers (agreement with float32: docs/benchmarks.md).",
+        "model")
     context_length: int | None = arg(None, "Override the model's.", "model")
     host: str = arg("127.0.0.1", "Address to listen on.", "server")
     port: int = arg(30000, "Port to listen on.", "server")
@@ -151,6 +161,8 @@ class ServerArgs:
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             problems.append("--max-prompt-tokens must be >= 1")
         problems += quantization_problems(self.quantization, self.device, self.dtype)
+        problems += int8_activation_problems(self.int8_activations, self.device, self.dtype,
+                                             self.quantization)
         if not 0 < self.mem_fraction_static < 1:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:

@@ -1,6 +1,7 @@
-"""bfloat16 vs float32: top-1 agreement of greedy decoding on the same model.
+"""bfloat16 (or --quantization, --int8-activations) vs float32: top-1 agreement of greedy decoding.
 
     python -m lockstep.bench.dtype_agreement --num-prompts 20 --output-len 32
+    python -m lockstep.bench.dtype_agreement --dtype float32 --int8-activations
 
 Runs the serving path in-process (``create_scheduler``, as a scheduler process does) once per
 dtype. float32 first decodes every prompt greedily. Then both dtypes are teacher-forced on those
@@ -29,13 +30,14 @@ from lockstep.layers.quantization import QUANTIZATION_METHODS
 
 
 def _scheduler(model_path: str | None, dtype: str, max_tokens: int, n: int,
-               quantization: str | None = None) -> Any:
+               quantization: str | None = None, int8_activations: bool = False) -> Any:
     from lockstep.managers.scheduler import create_scheduler
     from lockstep.server_args import ServerArgs
 
     return create_scheduler(ServerArgs(model_path=model_path, dtype=dtype, max_total_tokens=max_tokens,
                                        max_running_requests=n, disable_radix_cache=True,
-                                       quantization=quantization))
+                                       quantization=quantization,
+                                       int8_activations=int8_activations))
 
 
 def _drain(sched: Any, reqs: list[Any]) -> dict[str, dict[str, list]]:
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="The dtype compared against float32.")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="Compare float32 with --quantization instead (use with --dtype float32).")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="Compare float32 with --int8-activations (use with --dtype float32).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -104,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     ref = greedy(f32, prompts, args.output_len)
     ref_top = teacher_forced_top(f32, prompts, ref)
     del f32
-    low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts, args.quantization)
-    label = f"{args.dtype} --quantization {args.quantization}" if args.quantization else args.dtype
+    low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts, args.quantization,
+                     args.int8_activations)
+    label = " ".join([args.dtype] + ([f"--quantization {args.quantization}"] if args.quantization else [])
+                     + (["--int8-activations"] if args.int8_activations else []))
     free = greedy(low, prompts, args.output_len)
     low_top = teacher_forced_top(low, prompts, ref)
     del low

@@ -82,7 +82,8 @@ def make_prompts(tokenizer: Any, n: int, input_len: int, seed: int) -> list[list
 
 class LockstepBench:
     def __init__(self, model_path: str | None, dtype: str, max_bs: int, input_len: int,
-                 output_len: int, seed: int, quantization: str | None = None) -> None:
+                 output_len: int, seed: int, quantization: str | None = None,
+                 int8_activations: bool = False) -> None:
         from lockstep.managers.scheduler import create_scheduler
         from lockstep.server_args import ServerArgs
 
@@ -96,11 +97,14 @@ class LockstepBench:
             # later, and what this measures is the forward itself.
             enable_overlap_schedule=False,
             quantization=quantization,
+            int8_activations=int8_activations,
         )
         self.sched = create_scheduler(args)
         self.dtype = self.sched.worker.runner.dtype
         # The dtype column says what the weights are: q8_0w = q8_0 blocks, float32 compute.
         self.dtype_label = f"{quantization}w" if quantization else _dtype_name(self.dtype)
+        if int8_activations:
+            self.dtype_label += "+int8a"  # activations quantized to int8 for the block matmuls
         self.worker_time = 0.0
         worker = self.sched.worker
         inner = worker.forward_batch_generation
@@ -234,6 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="Runs per batch size; the best is kept.")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="lockstep's --quantization (HF runs its own dtype regardless).")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="lockstep's --int8-activations (HF runs its own dtype regardless).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's).")
     p.add_argument("--result-file", default=None, help="Append one JSON line per result.")
@@ -254,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(tokenizer, max_bs, args.input_len, args.seed)
     t = time.perf_counter()
     bench = LockstepBench(args.model_path, args.dtype, max(args.batch_size), args.input_len,
-                          args.output_len, args.seed, args.quantization)
+                          args.output_len, args.seed, args.quantization, args.int8_activations)
     print(f"lockstep model built in {time.perf_counter() - t:.1f} s, dtype {bench.dtype}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
     for _ in range(args.warmup):

@@ -22,6 +22,8 @@ class BlockWeight:
     qtype: str  # a GGML type name: "Q8_0", "Q4_K", "F32", ...
     n_cols: int  # input features
     name: str = ""  # the checkpoint tensor, for error messages
+    # multiplied with activations quantized to int8 (--int8-activations); set by `settle`
+    int8_activations: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,11 +82,14 @@ def uses_kernel(weight: BlockWeight, dtype: torch.dtype, device: torch.device) -
 
 
 def block_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
-    """x [..., K] @ weight^T -> [..., N] in x's dtype. float32 x: the exact kernel. bfloat16 x
-    (--dtype bfloat16): the AMX kernel, which sums bf16 products in float32, batch invariant;
-    widening x to float32 first loses nothing since the kernel rounds it back to bf16."""
+    """x [..., K] @ weight^T -> [..., N] in x's dtype. float32 x: the exact kernel, or the int8
+    one where `settle` chose it (--int8-activations: x quantized per block of 32, batch invariant
+    too). bfloat16 x (--dtype bfloat16): the AMX kernel, which sums bf16 products in float32, batch
+    invariant; widening x to float32 first loses nothing since the kernel rounds it back to bf16."""
     rows = x.reshape(-1, weight.n_cols)
-    if x.dtype == torch.bfloat16:
+    if weight.int8_activations:
+        y = kernels.linear_int8(rows.contiguous(), weight.blocks, weight.qtype, weight.n_cols)
+    elif x.dtype == torch.bfloat16:
         y = kernels.linear_bf16(rows.float(), weight.blocks, weight.qtype, weight.n_cols)
         y = y.to(torch.bfloat16)
     else:
@@ -95,25 +100,31 @@ def block_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
 Part = BlockWeight | torch.Tensor  # blocks a kernel multiplies by, or float rows
 
 
-def settle(parts: list[BlockWeight], dtype: torch.dtype,
-           device: torch.device) -> tuple[list[Part], list[str]]:
+def settle(parts: list[BlockWeight], dtype: torch.dtype, device: torch.device,
+           int8_activations: bool = False) -> tuple[list[Part], list[str]]:
     """What a layer multiplies by, from its loaded block parts (in output-row order): blocks where
     a kernel serves their type here, else floats dequantized once now; neighbours of one kind
-    merged so that a layer whose parts agree runs one matmul. Also the types dequantized."""
+    merged so that a layer whose parts agree runs one matmul. Also the types dequantized.
+    With `int8_activations` (float32 on a CPU), integer block types run kernels.linear_int8 (its
+    torch reference gives the same numbers where nothing is compiled); float ones stay exact."""
     settled: list[Part] = []
     dequantized: list[str] = []
+    int8 = int8_activations and dtype == torch.float32 and device.type == "cpu"
     for w in parts:
         part: Part = w
-        if not uses_kernel(w, dtype, device):
+        if int8 and w.qtype in kernels.INT8_QTYPES:
+            part = BlockWeight(w.blocks, w.qtype, w.n_cols, w.name, int8_activations=True)
+        elif not uses_kernel(w, dtype, device):
             part = w.dequantize().to(device=device, dtype=dtype)
             dequantized.append(w.qtype)
         prev = settled[-1] if settled else None
         if isinstance(prev, torch.Tensor) and isinstance(part, torch.Tensor):
             settled[-1] = torch.cat([prev, part])
         elif (isinstance(prev, BlockWeight) and isinstance(part, BlockWeight)
-              and (prev.qtype, prev.n_cols) == (part.qtype, part.n_cols)):
+              and (prev.qtype, prev.n_cols, prev.int8_activations)
+              == (part.qtype, part.n_cols, part.int8_activations)):
             settled[-1] = BlockWeight(torch.cat([prev.blocks, part.blocks]), part.qtype,
-                                      part.n_cols, prev.name)
+                                      part.n_cols, prev.name, part.int8_activations)
         else:
             settled.append(part)
     return settled, dequantized

@@ -55,8 +55,9 @@ class VocabParallelEmbedding(nn.Module):
         if self.weight is not None and self.table is None:
             self.table = pack(self.weight, qtype, name)
 
-    def finish_loading(self) -> list[str]:
-        """Settle a block table; returns the block types dequantized here (no kernel)."""
+    def finish_loading(self, int8_activations: bool = False) -> list[str]:
+        """Settle a block table; returns the block types dequantized here (no kernel). Lookups
+        stay exact; `int8_activations` is for the logits (see block_weight.settle)."""
         if self.table is None:
             return []
         if self._device.type != "cpu" or (self._dtype != torch.float32
@@ -70,7 +71,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = None
         if not self.serves_logits:
             return []
-        self.logits_parts, dequantized = settle([self.table], self._dtype, self._device)
+        self.logits_parts, dequantized = settle([self.table], self._dtype, self._device,
+                                                int8_activations)
         return dequantized
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

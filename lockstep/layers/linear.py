@@ -59,15 +59,16 @@ class _BlockParts(nn.Module):
             self._loaded = {self.part_keys[0]: pack(self.weight, qtype, name)}
             self.part_keys = self.part_keys[:1]
 
-    def finish_loading(self) -> list[str]:
-        """Settle loaded block parts; returns the block types dequantized here (no kernel)."""
+    def finish_loading(self, int8_activations: bool = False) -> list[str]:
+        """Settle loaded block parts (see block_weight.settle for `int8_activations`); returns the
+        block types dequantized here (no kernel)."""
         if not self._loaded:
             return []
         missing = [k for k in self.part_keys if k not in self._loaded]
         if missing:
             raise KeyError(f"no checkpoint tensor for part(s) {missing} of a fused linear")
         parts, dequantized = settle([self._loaded[k] for k in self.part_keys],
-                                    self._dtype, self._device)
+                                    self._dtype, self._device, int8_activations)
         self._loaded = {}
         if len(parts) == 1 and isinstance(parts[0], torch.Tensor):
             self.weight = nn.Parameter(parts[0], requires_grad=False)

@@ -49,3 +49,23 @@ def _amx_bf16_lacking() -> list[str]:
     from lockstep.kernels.build import missing_flags
 
     return missing_flags("amx_bf16")
+
+
+def int8_activation_problems(enabled: bool, device: str, dtype: str,
+                             quantization: str | None) -> list[str]:
+    """What is wrong with `--int8-activations` beside --device / --dtype / --quantization, each
+    saying what to change; empty when they combine (or the flag is off)."""
+    if not enabled:
+        return []
+    problems = []
+    if device != "cpu":
+        problems.append("--int8-activations runs the CPU block kernels: serve it with --device cpu, "
+                        "or drop --int8-activations")
+    if dtype not in ("auto", "float32"):
+        problems.append(f"--int8-activations quantizes float32 activations to int8: use --dtype "
+                        f"auto or float32 instead of --dtype {dtype}, or drop --int8-activations")
+    if QUANTIZATION_TYPES.get(quantization or "") in ("F16", "BF16", "F32"):
+        problems.append(f"--int8-activations multiplies integer weight blocks, and --quantization "
+                        f"{quantization} packs float ones: use --quantization q8_0 or q4_0, or drop "
+                        "--int8-activations")
+    return problems

@@ -492,6 +492,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, context_length=args.context_length,
         local_ranks=local_ranks, quantization=args.quantization,
+        int8_activations=args.int8_activations,
     )
     torch.manual_seed(args.random_seed)
     runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)

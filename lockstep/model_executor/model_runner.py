@@ -41,6 +41,7 @@ class RunnerConfig:
     # Ranks that share this machine's memory (they split the KV budget).
     local_ranks: int = 1
     quantization: str | None = None  # --quantization: pack a float checkpoint into blocks
+    int8_activations: bool = False  # --int8-activations: integer blocks run on int8 activations
 
 
 @dataclass
@@ -72,7 +73,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(cfg.device):
             self.model = build_model(model_cfg, tp, cfg.dtype, pp)
-        load_model_weights(self.model, source, cfg.quantization, cfg.dtype, cfg.device)
+        load_model_weights(self.model, source, cfg.quantization, cfg.dtype, cfg.device,
+                           cfg.int8_activations)
         self.model.eval()
         logger.info("weights loaded in %.1f s", time.perf_counter() - t0)
         self.context_len = min(cfg.context_length or model_cfg.max_position, model_cfg.max_position)

@@ -23,10 +23,14 @@ _BLOCK_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def load_model_weights(model: nn.Module, source: ModelSource, quantization: str | None,
-                       dtype: torch.dtype, device: str) -> None:
+                       dtype: torch.dtype, device: str, int8_activations: bool = False) -> None:
     if quantization is not None and source.gguf_file is not None:
         raise ValueError(f"--quantization {quantization}: {source.origin} is a GGUF, its weights "
                          "are quantized blocks already; drop --quantization")
+    if int8_activations and source.gguf_file is None and quantization is None:
+        raise ValueError(f"--int8-activations multiplies integer weight blocks, and {source.origin} "
+                         "is a float checkpoint: add --quantization q8_0 (or q4_0), or drop "
+                         "--int8-activations")
     model.load_weights(iter_weights(source))
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _BLOCK_LAYERS)]
     if quantization is not None:
@@ -37,7 +41,9 @@ def load_model_weights(model: nn.Module, source: ModelSource, quantization: str 
                     len(layers), qtype)
     dequantized: Counter[str] = Counter()
     for _, m in layers:
-        dequantized.update(m.finish_loading())
+        dequantized.update(m.finish_loading(int8_activations))
+    if int8_activations:
+        _log_int8(model)
     if not dequantized:
         return
     types = ", ".join(f"{t} ({n} tensors)" for t, n in sorted(dequantized.items()))
@@ -47,6 +53,19 @@ def load_model_weights(model: nn.Module, source: ModelSource, quantization: str 
     else:
         logger.info("no compiled kernel here (variant %s) for %s: dequantized to float32 at load",
                     kernels.kernel_variant(), types)
+
+
+def _log_int8(model: nn.Module) -> None:
+    types: Counter[str] = Counter()
+    for m in model.modules():
+        for part in (getattr(m, "parts", None) or []) + (getattr(m, "logits_parts", None) or []):
+            if isinstance(part, BlockWeight) and part.int8_activations:
+                types[part.qtype] += 1
+    compiled = all(kernels.has_int8_kernel(t) for t in types)
+    logger.info("--int8-activations: %s on int8 activations (%s)",
+                ", ".join(f"{t} ({n} matmuls)" for t, n in sorted(types.items())) or "no weight",
+                f"{kernels.kernel_variant()} kernels" if compiled
+                else "no compiled int8 kernel here: the torch reference serves, slowly")
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
@@ -65,8 +84,10 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         held = list(getattr(m, "parts", None) or [])
         if getattr(m, "table", None) is not None:
             held.append(m.table)
-        if getattr(m, "logits_parts", None) and m.logits_parts[0] is not m.table:
-            held += m.logits_parts  # a float copy for logits next to the table
+        logits = getattr(m, "logits_parts", None)
+        if logits and not (isinstance(logits[0], BlockWeight) and m.table is not None
+                           and logits[0].blocks is m.table.blocks):
+            held += logits  # a float copy for logits next to the table
         for part in held:
             t = part.blocks if isinstance(part, BlockWeight) else part
             add(f"{name}.weight", t.numel() * t.element_size())

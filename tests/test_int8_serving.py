@@ -1,0 +1,103 @@
+"""`--int8-activations`: the block linears and the LM head on the int8 kernels, at every batch size, so a
+request's numbers still do not depend on its batch; contradictions refused at start."""
+
+from __future__ import annotations
+
+import pytest
+
+from lockstep.entrypoints.engine import launch_subprocesses
+from lockstep.layers.block_weight import BlockWeight
+from lockstep.layers.embedding import VocabParallelEmbedding
+from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
+from lockstep.server_args import ServerArgs
+from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
+from tests.conftest import tiny_prompts
+
+
+def int8_parts(model) -> list[BlockWeight]:
+    parts = []
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            parts += m.parts or []
+        elif isinstance(m, VocabParallelEmbedding) and m.logits_parts:
+            parts += m.logits_parts
+    return [p for p in parts if isinstance(p, BlockWeight) and p.int8_activations]
+
+
+def test_default_model_alone_equals_batched_and_stays_near_float32() -> None:
+    """The default GGUF (Q8_0 head, Q5_0 / Q4_K / Q6_K linears): every block matmul on int8
+    activations; a request alone gives the same ids and logprobs, bitwise, as inside a batch of
+    mixed lengths; and its first greedy tokens mostly agree with the exact path's."""
+    from lockstep.bench.datasets import load_tokenizer, sample_random_requests
+    from lockstep.model_loader import resolve_model
+
+    source = resolve_model(None)
+    tok = load_tokenizer(str(source.model_dir))
+    prompts = [list(r.input_ids) for r in sample_random_requests(tok, 12, 48, 1, range_ratio=0.2, seed=3)]
+    # No prefix cache: a cached prefix is attended by another code path whose float32 sums differ
+    # in the last ulp from a full prefill's (on the exact path too); int8 rounding can magnify that.
+    sched = make_scheduler(None, max_total_tokens=4096, int8_activations=True, disable_radix_cache=True)
+    parts = int8_parts(sched.worker.runner.model)
+    assert {p.qtype for p in parts} == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+    # 18 layers x (qkv, o, gate_up, down): fused parts of one type merge; the tied head is the last
+    assert len(parts) >= 18 * 4 + 1
+
+    def run(ps: list[list[int]], tag: str):
+        reqs = [greedy_req(f"{tag}{i}", p, 8, return_logprob=True) for i, p in enumerate(ps)]
+        return run_to_completion(sched, reqs)
+
+    batched = run(prompts, "b")
+    for i in (0, 7):
+        alone = run([prompts[i]], f"a{i}-")[f"a{i}-0"]
+        assert alone.output_ids == batched[f"b{i}"].output_ids
+        assert alone.logprobs == batched[f"b{i}"].logprobs  # bitwise: same floats
+    exact = run_to_completion(make_scheduler(None, max_total_tokens=4096, disable_radix_cache=True),
+                              [greedy_req(f"e{i}", p, 8, return_logprob=True) for i, p in enumerate(prompts)])
+    same_first = sum(exact[f"e{i}"].output_ids[0] == batched[f"b{i}"].output_ids[0] for i in range(12))
+    assert same_first >= 10
+    # not the exact path's numbers: the flag took effect
+    assert any(exact[f"e{i}"].logprobs[0] != batched[f"b{i}"].logprobs[0] for i in range(12))
+
+
+def test_packed_float_checkpoint_serves_through_processes(tiny_model_dirs) -> None:
+    """--quantization q8_0 --int8-activations on an HF checkpoint: the server's processes give the
+    same greedy tokens as the in-process scheduler with the same flags."""
+    model_dir = tiny_model_dirs["qwen2"]
+    prompts = tiny_prompts(model_dir, 3, seed=4)
+    sched = make_scheduler(model_dir, max_total_tokens=2048, quantization="q8_0", int8_activations=True)
+    assert len(int8_parts(sched.worker.runner.model)) == 1 + 4 * 4
+    single = run_to_completion(sched, [greedy_req(f"r{i}", p, 10) for i, p in enumerate(prompts)])
+    args = ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=2048,
+                      quantization="q8_0", int8_activations=True)
+    launched = launch_subprocesses(args)
+    try:
+        assert generate_through(launched, prompts, 10) == [single[f"r{i}"].output_ids for i in range(3)]
+    finally:
+        launched.shutdown()
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"device": "cuda"}, "--int8-activations runs the CPU block kernels: serve it with --device cpu"),
+    ({"dtype": "bfloat16"}, "use --dtype auto or float32 instead of --dtype bfloat16"),
+    ({"dtype": "float16"}, "use --dtype auto or float32 instead of --dtype float16"),
+    ({"quantization": "fp16"}, "--quantization fp16 packs float ones: use --quantization q8_0 or q4_0"),
+])
+def test_contradictions_are_refused_at_start(changes, says) -> None:
+    with pytest.raises(ValueError, match="--int8-activations") as info:
+        ServerArgs(int8_activations=True, **changes)
+    assert says in str(info.value)
+
+
+def test_a_float_checkpoint_without_quantization_is_refused(tiny_model_dirs) -> None:
+    with pytest.raises(ValueError, match="is a float checkpoint: add --quantization q8_0"):
+        make_scheduler(tiny_model_dirs["qwen2"], max_total_tokens=1024, int8_activations=True)
+
+
+def test_the_flag_on_the_command_line() -> None:
+    from lockstep.cli import serve_parser
+
+    parser = serve_parser()
+    assert ServerArgs.from_cli_args(parser.parse_args(["--int8-activations"])).int8_activations is True
+    assert ServerArgs.from_cli_args(parser.parse_args(["--no-int8-activations"])).int8_activations is False
+    assert ServerArgs.from_cli_args(parser.parse_args([])).int8_activations is False
+    assert "docs/benchmarks.md" in parser.format_help()
