@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 7's serving workloads against one server at a time, the same client and prompts for all.
 #   benchmarks/serving_side_by_side.sh KIND ROUND [WORKLOAD ...]
-# KIND: lockstep | lockstep-avx2 (the AVX2 kernels forced) | lockstep-bf16 | lockstep-noradix |
+# KIND: lockstep | lockstep-avx2 (the AVX2 kernels forced) | lockstep-int8 (--int8-activations) |
+#       lockstep-bf16 | lockstep-noradix |
 #       llama-server | llama-cpp-python
 # WORKLOAD: wbatch wsingle wprefix scale (default: all four)
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
@@ -20,6 +21,7 @@ PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); prin
 case $KIND in
   lockstep) CMD=("$PY" -m lockstep.launch_server --port "$PORT"); BACKEND=lockstep ;;
   lockstep-avx2) CMD=(env LOCKSTEP_KERNEL_ISA=avx2 "$PY" -m lockstep.launch_server --port "$PORT"); BACKEND=lockstep ;;
+  lockstep-int8) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --int8-activations); BACKEND=lockstep ;;
   lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --dtype bfloat16); BACKEND=lockstep ;;
   lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache); BACKEND=lockstep ;;
   llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 49152 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
