@@ -8,10 +8,10 @@ from torch import nn
 
 from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
-from lockstep.layers.norm import RMSNorm
+from lockstep.layers.norm import RMSNorm, add_norm
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 from lockstep.model_executor.forward_batch import ForwardBatch
-from lockstep.models.llama import MLP, Attention, LlamaForCausalLM
+from lockstep.models.llama import MLP, Attention, LlamaForCausalLM, RopeTables
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -25,9 +25,11 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm()
         self.post_feedforward_layernorm = norm()
 
-    def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), fb, pool))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
+                rope: RopeTables) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), fb, pool, rope)
+        h, x = add_norm(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return add_norm(h, self.mlp(x), self.post_feedforward_layernorm, None)[0]
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -7,20 +7,21 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lockstep.configs.model_config import ModelConfig, RopeConfig
+from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import (
     NO_PIPELINE,
     ParallelGroup,
     PipelineGroup,
     partition_layers,
 )
+from lockstep.kernels import fused
 from lockstep.layers.activation import act_and_mul
 from lockstep.layers.attention import PagedAttention
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from lockstep.layers.norm import RMSNorm
-from lockstep.layers.rotary import RotaryEmbedding, apply_rotary
+from lockstep.layers.norm import RMSNorm, add_norm
+from lockstep.layers.rotary import RotaryEmbedding
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 from lockstep.model_executor.forward_batch import ForwardBatch
 
@@ -32,6 +33,16 @@ STACKED_PARAMS = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+
+
+RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope key -> (cos, sin) [T, head_dim]
+
+
+def rope_key(cfg: ModelConfig, layer_id: int) -> str:
+    """Which RoPE a layer rotates by: "local" (sliding-window layers of models with a local base)
+    or "global"."""
+    local = cfg.layer_windows[layer_id] is not None and cfg.rope_local is not None
+    return "local" if local else "global"
 
 
 class Attention(nn.Module):
@@ -46,24 +57,30 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, gemma=cfg.is_gemma)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, gemma=cfg.is_gemma)
-        rope: RopeConfig = cfg.rope_global
-        if window is not None and cfg.rope_local is not None:
-            rope = cfg.rope_local
-        self.rotary = RotaryEmbedding(d, rope)
+        self.rope_key = rope_key(cfg, layer_id)
         scalar = cfg.query_pre_attn_scalar or d
         self.attn = PagedAttention(layer_id, self.n_heads, self.n_kv, d, scalar**-0.5, window,
                                    cfg.attn_logit_softcapping)
         self.qk_norm = cfg.qk_norm
         self.head_dim = d
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        t, d = x.shape[0], self.head_dim
-        q, k, v = q.view(t, self.n_heads, d), k.view(t, self.n_kv, d), v.view(t, self.n_kv, d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
+                rope: RopeTables) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        cos, sin = rope[self.rope_key]
+        d = self.head_dim
+        if qkv.dtype == torch.float32:  # q/k norms and rotary in one fused call, in place in qkv
+            q_w = self.q_norm.scale if self.qk_norm else None
+            k_w = self.k_norm.scale if self.qk_norm else None
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q, k, v = fused.qk_norm_rope(qkv, self.n_heads, self.n_kv, d, q_w, k_w, cos, sin, eps)
+        else:
+            q, k, v = self.qkv_proj.split(qkv)
+            t = x.shape[0]
+            q, k, v = q.view(t, self.n_heads, d), k.view(t, self.n_kv, d), v.view(t, self.n_kv, d)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, fb, pool))
 
 
@@ -87,9 +104,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), fb, pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
+                rope: RopeTables) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(h), fb, pool, rope)
+        h, x = add_norm(h, a, None, self.post_attention_layernorm)
+        return h + self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -107,6 +126,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             self.layer_cls(cfg, i, tp, dtype) if self.start_layer <= i < self.end_layer else nn.Identity()
             for i in range(cfg.num_layers))
+        # one rotary per distinct RoPE config; its cos/sin are computed once per forward
+        self.rotary = nn.ModuleDict({
+            key: RotaryEmbedding(cfg.head_dim, cfg.rope_local if key == "local" else cfg.rope_global)
+            for key in sorted({rope_key(cfg, i) for i in range(self.start_layer, self.end_layer)})})
         if pp.is_first or (pp.is_last and cfg.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(
                 cfg.vocab_size, cfg.hidden_size, tp, dtype,
@@ -126,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
         """The last stage returns final-normed hidden states at fb.logits_indices only; earlier
         stages return every token's hidden state for the next stage."""
         h = self.embed(fb.input_ids) if self.pp.is_first else hidden_in
+        rope = {key: r.cos_sin(fb.positions, h.dtype) for key, r in self.rotary.items()}
         for layer in self.layers[self.start_layer:self.end_layer]:
-            h = layer(h, fb, pool)
+            h = layer(h, fb, pool, rope)
         return self.norm(h[fb.logits_indices]) if self.pp.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -447,6 +449,7 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, const std:
 #include "int8.h"  // the opt-in int8 activation path, inside this namespace: it reuses the decoders' helpers
 #include "argmax.h"  // greedy sampling's row argmax
 #include "attention.h"  // decode attention over the paged KV pool
+#include "fused.h"  // norms, rotary, gated activations: row-wise float32 ops of a layer
 
 #ifdef LOCKSTEP_AVX512
 #include "amx_bf16.h"  // the opt-in AMX bfloat16 path, inside this namespace: it reuses the decoders
@@ -461,6 +464,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("quantize_int8", &quantize_int8, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("decode_attention", &decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("argmax_rows", &argmax_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("rms_norm", &rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("add_rms_norm", &add_rms_norm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("qk_norm_rope", &qk_norm_rope, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("act_and_mul", &act_and_mul, pybind11::call_guard<pybind11::gil_scoped_release>());
 #ifdef LOCKSTEP_AVX512
   mod.def("linear_amx_bf16", &linear_amx_bf16, pybind11::call_guard<pybind11::gil_scoped_release>());
 #endif

@@ -1,0 +1,141 @@
+"""lockstep.kernels.fused: the compiled norms, rotary and gated activations of every variant this CPU
+runs against float64 references, bitwise batch invariance, and the torch fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lockstep.kernels import fused
+from tests.test_kernels import compiled, variant_params
+
+
+def rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def close(y: torch.Tensor, ref: torch.Tensor, atol: float = 2e-6) -> None:
+    # a few float32 ulps of the values, against a float64 oracle
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    torch.testing.assert_close(y.double(), ref.double(), rtol=2e-6, atol=atol)
+
+
+def rows_alone_equal(run, x: torch.Tensor) -> None:
+    y = run(x)
+    for i in (0, x.shape[0] // 2, x.shape[0] - 1):
+        assert torch.equal(run(x[i:i + 1].clone())[0], y[i]), f"row {i} differs alone vs in a batch"
+
+
+@pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("d", [640, 256, 80, 1000])  # Gemma hidden, head dim, tails past 32 and 16
+def test_rms_norm_and_residual_step(variant: str, d: int) -> None:
+    mod = compiled(variant)
+    g = torch.Generator().manual_seed(d)
+    h, x = torch.randn(67, d, generator=g) * 3, torch.randn(67, d, generator=g) * 50
+    wx, wy = 1 + torch.randn(d, generator=g) * 0.3, 1 + torch.randn(d, generator=g) * 0.3
+    eps = 1e-6
+    close(mod.rms_norm(x, wy, eps), rms64(x, wy, eps), atol=1e-5)
+    rows_alone_equal(lambda a: mod.rms_norm(a, wy, eps), x)
+    h2, y = mod.add_rms_norm(h, x, wx, wy, eps)
+    ref_h2 = h.double() + rms64(x, wx, eps)
+    close(h2, ref_h2, atol=1e-5)
+    close(y, rms64(h2, wy, eps), atol=1e-5)
+    rows_alone_equal(lambda a: torch.cat(mod.add_rms_norm(a[:, :d], a[:, d:], wx, wy, eps), 1),
+                     torch.cat([h, x], 1))
+    h3, none = mod.add_rms_norm(h, x, None, None, eps)  # a plain residual add
+    assert torch.equal(h3, h + x) and none is None
+    # a strided row view (a slice of wider rows) is read as it lies
+    wide = torch.randn(5, 2 * d, generator=g)
+    assert torch.equal(mod.rms_norm(wide[:, :d], wy, eps), mod.rms_norm(wide[:, :d].contiguous(), wy, eps))
+
+
+def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return fused.rotate(x.double(), cos.double(), sin.double())
+
+
+@pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_rope(variant: str, qk_norm: bool) -> None:
+    mod = compiled(variant)
+    hq, hk, d, t = 4, 1, 256, 9
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g) * 4
+    pos = torch.tensor([0, 1, 2, 50, 51, 900, 4000, 3, 31999], dtype=torch.float32)
+    freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos(), emb.sin()
+    qw = 1 + torch.randn(d, generator=g) * 0.2 if qk_norm else None
+    kw = 1 + torch.randn(d, generator=g) * 0.2 if qk_norm else None
+    out = qkv.clone()
+    mod.qk_norm_rope(out, hq, hk, d, qw, kw, cos, sin, 1e-6)
+    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+    if qk_norm:
+        q, k = rms64(q, qw, 1e-6), rms64(k, kw, 1e-6)
+    close(out[:, :hq * d], rope64(q, cos, sin).reshape(t, -1), atol=1e-5)
+    close(out[:, hq * d:(hq + hk) * d], rope64(k, cos, sin).reshape(t, -1), atol=1e-5)
+    assert torch.equal(out[:, (hq + hk) * d:], qkv[:, (hq + hk) * d:])  # v untouched
+    if not qk_norm:  # rotation alone rounds exactly as the torch reference does
+        assert torch.equal(out[:, :hq * d], fused.rotate(qkv[:, :hq * d].view(t, hq, d), cos, sin).reshape(t, -1))
+
+    def run(a: torch.Tensor) -> torch.Tensor:
+        r = a.clone()
+        n = r.shape[0]
+        mod.qk_norm_rope(r, hq, hk, d, qw, kw, cos[:n].clone() if n < t else cos, sin[:n] if n < t else sin, 1e-6)
+        return r
+
+    assert torch.equal(run(qkv[:1]), out[:1])  # the first row alone equals that row in the batch
+
+
+@pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("act", fused.COMPILED_ACTS)
+def test_act_and_mul(variant: str, act: str) -> None:
+    mod = compiled(variant)
+    g = torch.Generator().manual_seed(3)
+    inter = 2048 + 5  # a tail past the last 16
+    gate = torch.cat([torch.linspace(-30, 30, 4001), torch.randn(33 * inter - 4001, generator=g) * 3])
+    gate_up = torch.cat([gate.view(33, inter), torch.randn(33, inter, generator=g)], 1)
+    y = mod.act_and_mul(gate_up, act)
+    gd, up = gate_up.double().chunk(2, -1)
+    ref = (F.gelu(gd, approximate="tanh") if act == "gelu_tanh" else F.silu(gd)) * up
+    close(y, ref, atol=1e-6)
+    rows_alone_equal(lambda a: mod.act_and_mul(a, act), gate_up)
+
+
+def test_variants_agree_bitwise() -> None:
+    from lockstep.kernels.build import missing_flags
+
+    if missing_flags("avx512"):
+        pytest.skip(f"this CPU lacks {', '.join(missing_flags('avx512'))} for avx512")
+    a, b = compiled("avx2"), compiled("avx512")
+    x, w = torch.randn(7, 1000) * 9, torch.rand(1000) + 0.5
+    assert torch.equal(a.rms_norm(x, w, 1e-6), b.rms_norm(x, w, 1e-6))
+    assert torch.equal(a.act_and_mul(x, "gelu_tanh"), b.act_and_mul(x, "gelu_tanh"))
+    assert torch.equal(a.act_and_mul(x, "silu"), b.act_and_mul(x, "silu"))
+    qkv, cs = torch.randn(3, 6 * 128), torch.rand(3, 128)
+    ra, rb = qkv.clone(), qkv.clone()
+    a.qk_norm_rope(ra, 4, 1, 128, w[:128], w[128:256], cs, cs, 1e-6)
+    b.qk_norm_rope(rb, 4, 1, 128, w[:128], w[128:256], cs, cs, 1e-6)
+    assert torch.equal(ra, rb)
+
+
+def test_torch_fallback_matches_the_compiled_ops(monkeypatch) -> None:
+    """Where no variant is built, the same API serves the torch reference with the same numbers
+    (up to float rounding), so a model runs either way."""
+    g = torch.Generator().manual_seed(4)
+    h, x, w = torch.randn(5, 640, generator=g), torch.randn(5, 640, generator=g), torch.rand(640) + 0.5
+    qkv, cs = torch.randn(5, 6 * 256, generator=g), torch.rand(5, 256, generator=g)
+    gate_up = torch.randn(5, 4096, generator=g) * 3
+
+    def run() -> list[torch.Tensor]:
+        q, k, v = fused.qk_norm_rope(qkv.clone(), 4, 1, 256, w[:256], w[256:512], cs, cs, 1e-6)
+        return [fused.rms_norm(x, w, 1e-6), *fused.add_rms_norm(h, x, w, w, 1e-6), q, k, v,
+                fused.act_and_mul(gate_up, "gelu_tanh"), fused.act_and_mul(gate_up, "silu")]
+
+    served = run()
+    monkeypatch.setattr(fused, "selected", lambda: ("torch", None))
+    for a, b in zip(served, run()):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="not one of"):
+        fused.act_and_mul(gate_up, "relu")
