@@ -289,21 +289,49 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t at = g * nb + b;
     const int8_t* xq = xp.q.data() + at * kXGroupBytes;
-    IV r[NT][S];
-    UNROLL for (int j = 0; j < NT; ++j) UNROLL for (int s = 0; s < S; ++s) r[j][s] = izero();
+    // two chains per integer sum (even and odd k4: exact integers, so the split changes nothing)
+    IV r[NT][2 * S];
+    UNROLL for (int j = 0; j < NT; ++j) UNROLL for (int s = 0; s < 2 * S; ++s) r[j][s] = izero();
     UNROLL for (int k4 = 0; k4 < 8; ++k4) {
       const IV x = iload(xq + 64 * k4);
       UNROLL for (int j = 0; j < NT; ++j) {
         int32_t w;
         std::memcpy(&w, wq + j * k + 32 * b + 4 * k4, 4);
-        dot4<Q::kSignedW>(r[j][k4 * S / 8], w, x);
+        dot4<Q::kSignedW>(r[j][2 * (k4 * S / 8) + (k4 & 1)], w, x);
       }
     }
     const XSums xs = Q::xsums(iload(&xp.bs[at * 32]), iload(&xp.bs[at * 32 + 16]));
     const V dx = vload(&xp.d[at * kXLanes]);
-    UNROLL for (int j = 0; j < NT; ++j) acc[j] = vadd(acc[j], Q::value(r[j], xs, dx, meta[j * nb + b]));
+    UNROLL for (int j = 0; j < NT; ++j) {
+      IV sums[S];
+      UNROLL for (int s = 0; s < S; ++s) sums[s] = iadd(r[j][2 * s], r[j][2 * s + 1]);
+      acc[j] = vadd(acc[j], Q::value(sums, xs, dx, meta[j * nb + b]));
+    }
   }
   UNROLL for (int j = 0; j < NT; ++j) out[j] = acc[j];
+}
+
+// W rows [r0, r0 + rows) decoded into wq (stride k) and meta (stride nb)
+template <class T>
+inline void decode_panel(const uint8_t* w, int64_t rb, int64_t r0, int64_t rows, int64_t k, uint8_t* wq,
+                         WMeta* meta) {
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + (r0 + r) * rb;
+    for (int64_t b = 0; b < nb; ++b) {
+      // streamed once: fetch ahead, as the exact kernels do (T::kBytes: bytes per 32 elements)
+      _mm_prefetch(reinterpret_cast<const char*>(row + b * T::kBytes + kPrefetchBytes), _MM_HINT_T0);
+      I8<T>::decode(row, b, wq + r * k + 32 * b, meta[r * nb + b]);
+    }
+  }
+}
+
+// t[j][i] -> y[x row 16g + i][W row c0 + j] for the rows and lanes that exist
+inline void store_lanes(const float* t, int64_t cols, int64_t lanes, float* y, int64_t n, int64_t g, int64_t c0) {
+  for (int64_t i = 0; i < lanes; ++i) {
+    float* dst = y + (g * kXLanes + i) * n + c0;
+    for (int64_t j = 0; j < cols; ++j) dst[j] = t[j * kXLanes + i];
+  }
 }
 
 // W row panels [p0, p1) of `prow` rows each against every group of x
@@ -313,22 +341,17 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
   const int64_t nb = k / 32;
   std::vector<uint8_t> wq(static_cast<size_t>(prow * k), 0);
   std::vector<WMeta> meta(static_cast<size_t>(prow * nb), WMeta{0.0f, 0.0f, 0, 0});
-  alignas(64) float t[kI8Rows][kXLanes];
+  alignas(64) float t[kI8Rows * kXLanes];
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t r0 = p * prow, rows = std::min(prow, n - r0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < nb; ++b) I8<T>::decode(w + (r0 + r) * rb, b, &wq[r * k + 32 * b], meta[r * nb + b]);
+    decode_panel<T>(w, rb, r0, rows, k, wq.data(), meta.data());
     for (int64_t g = 0; g < xp.groups; ++g) {
       const int64_t lanes = std::min<int64_t>(kXLanes, m - g * kXLanes);
       for (int64_t j0 = 0; j0 < rows; j0 += kI8Rows) {  // rows past `rows` hold stale or zero data: not stored
         V out[kI8Rows];
         int8_tile<T, kI8Rows>(&wq[j0 * k], k, &meta[j0 * nb], xp, g, out);
-        const int64_t cols = std::min<int64_t>(kI8Rows, rows - j0);
-        for (int j = 0; j < kI8Rows; ++j) vstore(t[j], out[j]);
-        for (int64_t i = 0; i < lanes; ++i) {
-          float* dst = y + (g * kXLanes + i) * n + r0 + j0;
-          for (int64_t j = 0; j < cols; ++j) dst[j] = t[j][i];
-        }
+        for (int j = 0; j < kI8Rows; ++j) vstore(t + j * kXLanes, out[j]);
+        store_lanes(t, std::min<int64_t>(kI8Rows, rows - j0), lanes, y, n, g, r0 + j0);
       }
     }
   }
