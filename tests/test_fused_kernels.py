@@ -139,3 +139,27 @@ def test_torch_fallback_matches_the_compiled_ops(monkeypatch) -> None:
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
     with pytest.raises(ValueError, match="not one of"):
         fused.act_and_mul(gate_up, "relu")
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_linear_parts_of_mixed_types_equal_each_part_alone(variant: str) -> None:
+    """A fused layer's parts of different block types (Gemma's q/k Q5_0 beside v Q8_0) in one call:
+    each output column bitwise as that part's own `linear` gives it, at every M path."""
+    from lockstep.kernels import kernel_variant, linear_parts
+    from tests.test_kernels import random_blocks
+
+    mod = compiled(variant)
+    k = 768  # whole blocks of 32 and of 256
+    parts = [(random_blocks(q, n, k, seed=n), q) for q, n in (("Q5_0", 37), ("Q8_0", 5), ("Q4_K", 11),
+                                                               ("Q6_K", 3))]
+    blocks, qtypes = [b for b, _ in parts], [q for _, q in parts]
+    x = torch.randn(9, k)
+    for m in (1, 2, 3, 4, 5, 9):
+        xm = x[:m].contiguous()
+        y = mod.linear_parts(xm, blocks, qtypes, k)
+        assert torch.equal(y, torch.cat([mod.linear(xm, b, q, k) for b, q in parts], 1)), m
+        assert torch.equal(y[:1], mod.linear_parts(x[:1].contiguous(), blocks, qtypes, k))
+    # the public API serves the selected variant: the same numbers as part-by-part `linear`
+    if kernel_variant() == variant:
+        want = torch.cat([mod.linear(x[:2], b, q, k) for b, q in parts], 1)
+        assert torch.equal(linear_parts(x[:2], parts, k), want)

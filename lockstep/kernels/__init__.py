@@ -14,6 +14,7 @@ from lockstep.kernels.ops import (
     linear,
     linear_bf16,
     linear_int8,
+    linear_parts,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "linear",
     "linear_bf16",
     "linear_int8",
+    "linear_parts",
     "quantize",
     "row_bytes",
 ]

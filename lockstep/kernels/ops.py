@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from lockstep.kernels.blocks import (
@@ -49,6 +51,20 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> to
     if _compiled_serves(x, blocks, n_cols):
         return selected()[1].linear(x.contiguous(), blocks, qtype, n_cols)
     return x @ dequantize(qtype, blocks, n_cols).T
+
+
+def linear_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, str]], n_cols: int) -> torch.Tensor:
+    """x [M, K] @ [W_0; W_1; ...].T -> [M, sum N_i], W_i = dequantize(qtype_i, blocks_i, K): the
+    parts of a fused layer, each of its own block type, in one call (compiled: one parallel region
+    over every part at small M). Each output element as `linear` computes it. The parts are
+    checked here once per call, cheaply: callers validate blocks at load."""
+    _check_x(x, n_cols)
+    if selected()[1] is not None and n_cols % _GROUP == 0 and x.device.type == "cpu" and all(
+            b.stride(1) == 1 and b.device.type == "cpu" for b, _ in parts):
+        return selected()[1].linear_parts(x.contiguous(), [b for b, _ in parts],
+                                          [q for _, q in parts], n_cols)
+    outs = [linear(x, b, q, n_cols) for b, q in parts]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 def embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:

@@ -308,20 +308,39 @@ inline void tile(const uint8_t* w, int64_t wstride, const float* x, int64_t xs, 
 }
 
 // M = 1 to 3 (4 on AVX-512): stream W once, dequantizing in registers (a panel buffer costs more than
-// it saves here).
+// it saves here). Tiles [t0, t1) of NT rows of one W of n rows; y row stride ys.
 template <class T, int MT, int NT>
-void gemv(const uint8_t* w, int64_t rb, const float* x, int64_t k, float* y, int64_t n, int64_t groups) {
-  const int64_t tiles = (n + NT - 1) / NT;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t * NT;
-      if (r + NT <= n) {
-        tile<T, MT, NT, true>(w + r * rb, rb, x, k, y + r, n, groups);
-      } else {
-        for (int64_t q = r; q < n; ++q) tile<T, MT, 1, true>(w + q * rb, rb, x, k, y + q, n, groups);
-      }
+void gemv_tiles(const uint8_t* w, int64_t rb, const float* x, int64_t k, float* y, int64_t ys, int64_t n,
+                int64_t groups, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t r = t * NT;
+    if (r + NT <= n) {
+      tile<T, MT, NT, true>(w + r * rb, rb, x, k, y + r, ys, groups);
+    } else {
+      for (int64_t q = r; q < n; ++q) tile<T, MT, 1, true>(w + q * rb, rb, x, k, y + q, ys, groups);
     }
-  });
+  }
+}
+using GemvTiles = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*, int64_t, int64_t, int64_t,
+                           int64_t, int64_t);
+constexpr int64_t kGemvMaxM =
+#ifdef LOCKSTEP_AVX512
+    4;  // 16 accumulators, 4 weight and 2 input registers: still fits 32
+#else
+    3;
+#endif
+inline int64_t gemv_rows(int64_t m) { return m == 1 ? kGemvRows : kSmallRows; }
+template <class T>
+GemvTiles gemv_fn(int64_t m) {
+  switch (m) {
+    case 1: return &gemv_tiles<T, 1, kGemvRows>;
+    case 2: return &gemv_tiles<T, 2, kSmallRows>;
+    case 3: return &gemv_tiles<T, 3, kSmallRows>;
+#ifdef LOCKSTEP_AVX512
+    case 4: return &gemv_tiles<T, 4, kSmallRows>;
+#endif
+    default: return nullptr;
+  }
 }
 
 template <class T>
@@ -337,19 +356,20 @@ void dequant_row(const uint8_t* row, int64_t groups, float* out) {
 }
 
 template <int MT>
-void panel_rows(const float* wp, int64_t k, int64_t rows, const float* x, float* y, int64_t n,
+void panel_rows(const float* wp, int64_t k, int64_t rows, const float* x, float* y, int64_t ys,
                 int64_t groups) {
   const auto* wb = reinterpret_cast<const uint8_t*>(wp);
   const int64_t stride = k * 4;
   int64_t j = 0;
   for (; j + kTileN <= rows; j += kTileN)
-    tile<F32, MT, kTileN, false>(wb + j * stride, stride, x, k, y + j, n, groups);
-  for (; j < rows; ++j) tile<F32, MT, 1, false>(wb + j * stride, stride, x, k, y + j, n, groups);
+    tile<F32, MT, kTileN, false>(wb + j * stride, stride, x, k, y + j, ys, groups);
+  for (; j < rows; ++j) tile<F32, MT, 1, false>(wb + j * stride, stride, x, k, y + j, ys, groups);
 }
 
 // Larger M: dequantize a panel of W rows once into a float buffer, then run every M tile over it.
+// y row stride ys.
 template <class T>
-void gemm(const uint8_t* w, int64_t rb, const float* x, float* y, int64_t m, int64_t n, int64_t k,
+void gemm(const uint8_t* w, int64_t rb, const float* x, float* y, int64_t ys, int64_t m, int64_t n, int64_t k,
           int64_t groups) {
   const int64_t panel = std::max<int64_t>(kTileN, (65536 / (4 * k)) / kTileN * kTileN);
   const int64_t panels = (n + panel - 1) / panel;
@@ -360,12 +380,12 @@ void gemm(const uint8_t* w, int64_t rb, const float* x, float* y, int64_t m, int
       for (int64_t r = 0; r < rows; ++r) dequant_row<T>(w + (r0 + r) * rb, groups, buf.data() + r * k);
       int64_t i = 0;
       for (; i + kTileM <= m; i += kTileM)
-        panel_rows<kTileM>(buf.data(), k, rows, x + i * k, y + i * n + r0, n, groups);
+        panel_rows<kTileM>(buf.data(), k, rows, x + i * k, y + i * ys + r0, ys, groups);
       if (i + 2 <= m) {
-        panel_rows<2>(buf.data(), k, rows, x + i * k, y + i * n + r0, n, groups);
+        panel_rows<2>(buf.data(), k, rows, x + i * k, y + i * ys + r0, ys, groups);
         i += 2;
       }
-      for (; i < m; ++i) panel_rows<1>(buf.data(), k, rows, x + i * k, y + i * n + r0, n, groups);
+      for (; i < m; ++i) panel_rows<1>(buf.data(), k, rows, x + i * k, y + i * ys + r0, ys, groups);
     }
   });
 }
@@ -400,33 +420,62 @@ void check_blocks(const at::Tensor& blocks, int64_t k) {
   TORCH_CHECK(k > 0 && k % 32 == 0, "the kernels take rows of whole 32-element groups, got ", k);
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& qtype, int64_t k) {
-  check_blocks(blocks, k);
+// y [M, sum N_i] = x . [W_0; W_1; ...]^T: the parts of a fused layer (q/k/v, gate/up), each of its own
+// block type, side by side in one output. At M <= kGemvMaxM one parallel region spans every part's
+// tiles (one fork per layer call, the threads balanced over all of them); larger M runs part by part.
+at::Tensor linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
+                        const std::vector<std::string>& qtypes, int64_t k) {
+  TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(), "one block type per part");
+  for (const auto& b : blocks) check_blocks(b, k);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
                   x.device().is_cpu(),
               "x must be contiguous float32 [M, ", k, "] on the CPU");
-  const int64_t m = x.size(0), n = blocks.size(0), rb = blocks.stride(0), groups = k / 32;
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t m = x.size(0), groups = k / 32, parts = static_cast<int64_t>(blocks.size());
+  int64_t n_total = 0;
+  for (const auto& b : blocks) n_total += b.size(0);
+  at::Tensor y = at::empty({m, n_total}, x.options());
+  if (m == 0 || n_total == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  dispatch(qtype, [&](auto t) {
-    using T = decltype(t);
-    if (m == 1)
-      gemv<T, 1, kGemvRows>(w, rb, xp, k, yp, n, groups);
-    else if (m == 2)
-      gemv<T, 2, kSmallRows>(w, rb, xp, k, yp, n, groups);
-    else if (m == 3)
-      gemv<T, 3, kSmallRows>(w, rb, xp, k, yp, n, groups);
-#ifdef LOCKSTEP_AVX512
-    else if (m == 4)  // 16 accumulators, 4 weight and 2 input registers: still fits 32
-      gemv<T, 4, kSmallRows>(w, rb, xp, k, yp, n, groups);
-#endif
-    else
-      gemm<T>(w, rb, xp, yp, m, n, k, groups);
+  if (m > kGemvMaxM) {
+    int64_t col = 0;
+    for (int64_t p = 0; p < parts; ++p) {
+      const at::Tensor& b = blocks[p];
+      dispatch(qtypes[p], [&](auto t) {
+        gemm<decltype(t)>(b.data_ptr<uint8_t>(), b.stride(0), xp, yp + col, n_total, m, b.size(0), k, groups);
+      });
+      col += b.size(0);
+    }
+    return y;
+  }
+  struct Part {
+    GemvTiles fn;
+    const uint8_t* w;
+    int64_t rb, n, col, first_tile;
+  };
+  std::vector<Part> plan;
+  int64_t tiles = 0, col = 0;
+  const int64_t nt = gemv_rows(m);
+  for (int64_t p = 0; p < parts; ++p) {
+    const at::Tensor& b = blocks[p];
+    GemvTiles fn = nullptr;
+    dispatch(qtypes[p], [&](auto t) { fn = gemv_fn<decltype(t)>(m); });
+    plan.push_back({fn, b.data_ptr<uint8_t>(), b.stride(0), b.size(0), col, tiles});
+    tiles += (b.size(0) + nt - 1) / nt;
+    col += b.size(0);
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (const Part& p : plan) {
+      const int64_t end = p.first_tile + (p.n + nt - 1) / nt;
+      const int64_t a = std::max(t0, p.first_tile), b = std::min(t1, end);
+      if (a < b) p.fn(p.w, p.rb, xp, k, yp + p.col, n_total, p.n, groups, a - p.first_tile, b - p.first_tile);
+    }
   });
   return y;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& blocks, const std::string& qtype, int64_t k) {
+  return linear_parts(x, {blocks}, {qtype}, k);
 }
 
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, const std::string& qtype, int64_t k) {
@@ -459,6 +508,7 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, const std:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("linear_parts", &linear_parts, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("embedding", &embedding, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("linear_int8", &linear_int8, pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("quantize_int8", &quantize_int8, pybind11::call_guard<pybind11::gil_scoped_release>());
