@@ -71,6 +71,13 @@ inline void dot_heads(const float* q, int64_t qd, const float* k, int64_t d, flo
   UNROLL for (int h = 0; h < NH; ++h) s[h * stride] = reduce32(acc[h][0], acc[h][1]);
 }
 
+// K/V rows are scattered over the pool by slot, where the hardware prefetcher cannot follow: ask for
+// the row kAhead keys on while working on this one
+constexpr int64_t kAhead = 2;
+inline void prefetch_row(const float* p, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
 struct DecodeShape {
   int64_t heads, kv_heads, group, dim;  // group = heads / kv_heads
   float scaling, softcap;               // softcap 0: off
@@ -83,6 +90,7 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
                   float* acc) {
   const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d, np = (n + 7) / 8 * 8;
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) prefetch_row(kbuf + slots[j + kAhead] * row + kvh * d, d);
     const float* k = kbuf + slots[j] * row + kvh * d;
     int64_t h = 0;
     for (; h + kDotHeads <= g; h += kDotHeads) dot_heads<kDotHeads>(q + h * d, d, k, d, scores + h * np + j, np);
@@ -112,30 +120,15 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
     m[h] = mx;
     l[h] = sum8(sum);
   }
-  // acc[h] = sum_j e[h][j] * v_j, keys in order; 64 output lanes at a time stay in registers
-  for (int64_t h = 0; h < g; ++h) {
-    const float* e = scores + h * np;
-    int64_t c = 0;
-    for (; c + 64 <= d; c += 64) {
-      V a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-      for (int64_t j = 0; j < n; ++j) {
-        const float* v = vbuf + slots[j] * row + kvh * d + c;
-        const V p = vset1(e[j]);
-        a0 = vfma(p, vload(v), a0);
-        a1 = vfma(p, vload(v + 16), a1);
-        a2 = vfma(p, vload(v + 32), a2);
-        a3 = vfma(p, vload(v + 48), a3);
-      }
-      float* o = acc + h * d + c;
-      vstore(o, a0);
-      vstore(o + 16, a1);
-      vstore(o + 32, a2);
-      vstore(o + 48, a3);
-    }
-    for (; c < d; c += 16) {
-      V a0 = vzero();
-      for (int64_t j = 0; j < n; ++j) a0 = vfma(vset1(e[j]), vload(vbuf + slots[j] * row + kvh * d + c), a0);
-      vstore(acc + h * d + c, a0);
+  // acc[h] = sum_j e[h][j] * v_j, keys in increasing order; each V row is read once (acc stays in L1)
+  for (int64_t x = 0; x < g * d; x += 16) vstore(acc + x, vzero());
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kAhead < n) prefetch_row(vbuf + slots[j + kAhead] * row + kvh * d, d);
+    const float* v = vbuf + slots[j] * row + kvh * d;
+    for (int64_t h = 0; h < g; ++h) {
+      const V p = vset1(scores[h * np + j]);
+      float* o = acc + h * d;
+      for (int64_t c = 0; c < d; c += 16) vstore(o + c, vfma(p, vload(v + c), vload(o + c)));
     }
   }
 }
