@@ -15,6 +15,7 @@ from typing import Any
 from torch.profiler import profile, record_function
 
 from lockstep import kernels
+from lockstep.layers import attention, sampler
 from lockstep.bench.datasets import load_tokenizer
 from lockstep.bench.one_batch import LockstepBench, make_prompts
 from lockstep.model_loader import resolve_model
@@ -28,7 +29,8 @@ GROUPS = {
     "KV gather": ["aten::index", "aten::index_select"],
     "attention math": ["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm",
                        "aten::mm", "aten::_softmax", "aten::masked_fill_", "aten::masked_fill"],
-    "argmax": ["aten::argmax", "aten::max"],
+    "decode attention kernel": ["lockstep::decode_attention"],
+    "argmax": ["aten::argmax", "aten::max", "lockstep::argmax"],
 }
 
 
@@ -43,6 +45,8 @@ def main() -> None:
     batch = int(sys.argv[1])
     kernels.linear = _labelled(kernels.linear, "lockstep::linear")
     kernels.embedding = _labelled(kernels.embedding, "lockstep::embedding")
+    attention.decode_attention = _labelled(attention.decode_attention, "lockstep::decode_attention")
+    sampler.argmax = _labelled(sampler.argmax, "lockstep::argmax")
     tok = load_tokenizer(str(resolve_model(None).model_dir))
     prompts = make_prompts(tok, batch, 256, 0)
     bench = LockstepBench(None, "auto", batch, 256, 16, 0)
