@@ -15,9 +15,9 @@ from typing import Any
 from torch.profiler import profile, record_function
 
 from lockstep import kernels
-from lockstep.layers import attention, sampler
 from lockstep.bench.datasets import load_tokenizer
 from lockstep.bench.one_batch import LockstepBench, make_prompts
+from lockstep.layers import attention, sampler
 from lockstep.model_loader import resolve_model
 from lockstep.testing.inproc import greedy_req
 

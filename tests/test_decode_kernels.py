@@ -29,7 +29,7 @@ def make_pool(h: int, hkv: int, d: int, lens: list[int], seed: int = 0):
 
 
 def run(variant: str, q, k_buf, v_buf, slots, starts, lens, scaling, softcap, window) -> torch.Tensor:
-    return compiled(variant).decode_attention(q.contiguous(), k_buf, v_buf, slots, starts, lens, scaling,
+    return compiled(variant).decode_attention(q, k_buf, v_buf, slots, starts, lens, scaling,
                                               softcap or 0.0, window or 0)
 
 
@@ -50,6 +50,17 @@ def test_decode_attention_matches_reference_and_is_batch_invariant(variant, shap
         assert torch.equal(alone[0], out[i]), f"request {i} (len {lens[i]}) differs alone vs in the batch"
     perm = torch.randperm(len(lens), generator=torch.Generator().manual_seed(3))
     assert torch.equal(run(variant, q[perm], k_buf, v_buf, slots, starts[perm], lens_t[perm], *args), out[perm])
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_decode_attention_reads_q_rows_from_a_fused_qkv_view(variant) -> None:
+    lens = [5, 300, 40]
+    q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 64, lens)
+    qkv = torch.cat([q.reshape(3, -1), torch.randn(3, 2 * 64)], dim=1)  # [R, (H + 2 Hkv) D]
+    view = qkv[:, :4 * 64].view(3, 4, 64)
+    assert not view.is_contiguous()
+    assert torch.equal(run(variant, view, k_buf, v_buf, slots, starts, lens_t, 0.1, None, None),
+                       run(variant, q, k_buf, v_buf, slots, starts, lens_t, 0.1, None, None))
 
 
 def test_decode_attention_variants_agree_bitwise() -> None:

@@ -25,8 +25,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     Compiled, each request's output is summed in an order fixed by its own keys alone, so it is bitwise
     the same whatever it is batched with."""
     if decode_attention_compiled(q, k_buf):
-        return selected()[1].decode_attention(q.contiguous(), k_buf, v_buf, kv_slots, starts, lens,
-                                              scaling, softcap or 0.0, window or 0)
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()  # the kernel takes rows at any stride, but each row's heads packed
+        return selected()[1].decode_attention(q, k_buf, v_buf, kv_slots, starts, lens, scaling,
+                                              softcap or 0.0, window or 0)
     return decode_attention_reference(q, k_buf, v_buf, kv_slots, starts, lens, scaling, softcap, window)
 
 

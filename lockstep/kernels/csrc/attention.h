@@ -138,8 +138,10 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                             const at::Tensor& kv_slots, const at::Tensor& start, const at::Tensor& len,
                             double scaling, double softcap, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(),
-              "q must be contiguous float32 [R, H, D] on the CPU");
+  // q may be a row-strided view (the q part of a fused qkv output): each row's heads contiguous
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
+                  q.device().is_cpu(),
+              "q must be float32 [R, H, D] on the CPU, each row's H x D contiguous");
   TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat && k_buf.dim() == 3 &&
                   k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() &&
                   k_buf.device().is_cpu() && v_buf.device().is_cpu(),
@@ -171,6 +173,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   // per item and head of its group: m, l, then acc[d]
   std::vector<float> part(static_cast<size_t>(items * g * (d + 2)));
   const float* qp = q.data_ptr<float>();
+  const int64_t q_rs = q.stride(0);
   const float* kb = k_buf.data_ptr<float>();
   const float* vb = v_buf.data_ptr<float>();
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
@@ -182,7 +185,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
       const int64_t first = sp[r] + lo[r] + c * kChunk;
       const int64_t n = std::min(kChunk, sp[r] + lp[r] - first);
       float* pp = part.data() + i * g * (d + 2);
-      attend_chunk(sh, qp + (r * h_n + kvh * g) * d, kb, vb, slots + first, n, kvh, scores.data(), pp, pp + g,
+      attend_chunk(sh, qp + r * q_rs + kvh * g * d, kb, vb, slots + first, n, kvh, scores.data(), pp, pp + g,
                    pp + 2 * g);
     }
   });
