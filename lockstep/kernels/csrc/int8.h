@@ -21,7 +21,10 @@
 // AMX's B tiles) multiply: a weight's 4 bytes are broadcast to every lane, so one instruction advances
 // 16 rows of x by 4 elements with no horizontal sums. Weights are decoded a panel of rows at a time into
 // plain unsigned bytes (Q8_0 offset by 128 on AVX-512; on AVX2 it stays signed and uses the sign trick,
-// as maddubs saturates on 255 * 127 * 2).
+// as maddubs saturates on 255 * 127 * 2). At M <= kRowLanesMaxM the roles swap (W rows in lanes, x
+// broadcast; see int8_rows). An AMX-INT8 version of the x-in-lanes tile (TDPBUSD per block of 32, the
+// same integers) was measured no faster than VNNI here: the per-block float steps, not the integer dots,
+// bound this arithmetic, so it is not kept.
 
 #ifdef LOCKSTEP_AVX512
 #define I8_TARGET __attribute__((target("avx512vnni")))
@@ -101,15 +104,16 @@ inline IV iload(const void* p) { return {_mm512_loadu_si512(p)}; }
 inline IV izero() { return {_mm512_setzero_si512()}; }
 inline IV iadd(IV a, IV b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline IV isub(IV a, IV b) { return {_mm512_sub_epi32(a.v, b.v)}; }
-inline IV imul(IV a, int32_t s) { return {_mm512_mullo_epi32(a.v, _mm512_set1_epi32(s))}; }
+inline IV iset1(int32_t s) { return {_mm512_set1_epi32(s)}; }
+inline IV imul(IV a, IV b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
 template <int S>
 inline IV ishl(IV a) { return {_mm512_slli_epi32(a.v, S)}; }
 inline V itof(IV a) { return {_mm512_cvtepi32_ps(a.v)}; }
-// r += w . x per lane: w 4 unsigned bytes (broadcast), x 16 lanes of 4 signed bytes
+// r += w . x per lane: w 16 lanes of 4 unsigned bytes, x 16 lanes of 4 signed bytes (either broadcast)
 template <bool kSignedW>
-I8_TARGET inline void dot4(IV& r, int32_t w, IV x) {
+I8_TARGET inline void dot4(IV& r, IV w, IV x) {
   static_assert(!kSignedW, "the VNNI path takes unsigned weights");
-  r.v = _mm512_dpbusd_epi32(r.v, _mm512_set1_epi32(w), x.v);
+  r.v = _mm512_dpbusd_epi32(r.v, w.v, x.v);
 }
 #else
 struct IV {
@@ -122,26 +126,22 @@ inline IV iload(const void* p) {
 inline IV izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline IV iadd(IV a, IV b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline IV isub(IV a, IV b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
-inline IV imul(IV a, int32_t s) {
-  const __m256i v = _mm256_set1_epi32(s);
-  return {_mm256_mullo_epi32(a.lo, v), _mm256_mullo_epi32(a.hi, v)};
-}
+inline IV iset1(int32_t s) { return {_mm256_set1_epi32(s), _mm256_set1_epi32(s)}; }
+inline IV imul(IV a, IV b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
 template <int S>
 inline IV ishl(IV a) { return {_mm256_slli_epi32(a.lo, S), _mm256_slli_epi32(a.hi, S)}; }
 inline V itof(IV a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 // maddubs pairs u8 x s8 into saturating int16: fine for weights up to 63 (63 * 127 * 2 < 32767); a signed
 // weight (Q8_0) goes in as |w| against x with w's sign, at most 128 * 127 * 2
+inline __m256i dot4_half(__m256i r, __m256i w, __m256i x, bool signed_w) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (signed_w) return _mm256_add_epi32(r, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones));
+  return _mm256_add_epi32(r, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+}
 template <bool kSignedW>
-inline void dot4(IV& r, int32_t w, IV x) {
-  const __m256i wb = _mm256_set1_epi32(w), ones = _mm256_set1_epi16(1);
-  if (kSignedW) {
-    const __m256i aw = _mm256_abs_epi8(wb);
-    r.lo = _mm256_add_epi32(r.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x.lo, wb)), ones));
-    r.hi = _mm256_add_epi32(r.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x.hi, wb)), ones));
-  } else {
-    r.lo = _mm256_add_epi32(r.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(wb, x.lo), ones));
-    r.hi = _mm256_add_epi32(r.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(wb, x.hi), ones));
-  }
+inline void dot4(IV& r, IV w, IV x) {
+  r.lo = dot4_half(r.lo, w.lo, x.lo, kSignedW);
+  r.hi = dot4_half(r.hi, w.hi, x.hi, kSignedW);
 }
 #endif
 
@@ -155,6 +155,13 @@ struct WMeta {
 struct XSums {
   IV a, b;
 };
+
+// a weight block's scales per lane: every lane the same row's (x rows in lanes), or each its own row's
+struct WScales {
+  V d, dmin;
+  IV s0, s1;
+};
+inline WScales bcast(const WMeta& mt) { return {vset1(mt.d), vset1(mt.dmin), iset1(mt.s0), iset1(mt.s1)}; }
 
 inline void store32(uint8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
 
@@ -180,9 +187,9 @@ struct I8Simple {
       return {ishl<shift>(iadd(bs0, bs1)), izero()};
     }
   }
-  static V value(const IV* r, const XSums& xs, V dx, const WMeta& mt) {
+  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
     const IV isum = kOff == 0 ? r[0] : isub(r[0], xs.a);
-    return vmul(itof(isum), vmul(dx, vset1(mt.d)));
+    return vmul(itof(isum), vmul(dx, ws.d));
   }
 };
 
@@ -241,9 +248,9 @@ struct I8<Q4_K> {
     store32(q, _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (j & 1))), _mm256_set1_epi8(0x0F)));
   }
   static XSums xsums(IV bs0, IV bs1) { return {iadd(bs0, bs1), izero()}; }
-  static V value(const IV* r, const XSums& xs, V dx, const WMeta& mt) {
-    const V hi = vmul(itof(imul(r[0], mt.s0)), vmul(dx, vset1(mt.d)));
-    const V lo = vmul(itof(imul(xs.a, mt.s1)), vmul(dx, vset1(mt.dmin)));
+  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
+    const V hi = vmul(itof(imul(r[0], ws.s0)), vmul(dx, ws.d));
+    const V lo = vmul(itof(imul(xs.a, ws.s1)), vmul(dx, ws.dmin));
     return vsub(hi, lo);
   }
 };
@@ -264,9 +271,9 @@ struct I8<Q6_K> {
     store32(q, _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));  // 0..63, offset 32
   }
   static XSums xsums(IV bs0, IV bs1) { return {ishl<5>(bs0), ishl<5>(bs1)}; }
-  static V value(const IV* r, const XSums& xs, V dx, const WMeta& mt) {
-    const IV isum = iadd(imul(isub(r[0], xs.a), mt.s0), imul(isub(r[1], xs.b), mt.s1));
-    return vmul(itof(isum), vmul(dx, vset1(mt.d)));
+  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
+    const IV isum = iadd(imul(isub(r[0], xs.a), ws.s0), imul(isub(r[1], xs.b), ws.s1));
+    return vmul(itof(isum), vmul(dx, ws.d));
   }
 };
 
@@ -297,7 +304,7 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
       UNROLL for (int j = 0; j < NT; ++j) {
         int32_t w;
         std::memcpy(&w, wq + j * k + 32 * b + 4 * k4, 4);
-        dot4<Q::kSignedW>(r[j][2 * (k4 * S / 8) + (k4 & 1)], w, x);
+        dot4<Q::kSignedW>(r[j][2 * (k4 * S / 8) + (k4 & 1)], iset1(w), x);
       }
     }
     const XSums xs = Q::xsums(iload(&xp.bs[at * 32]), iload(&xp.bs[at * 32 + 16]));
@@ -305,7 +312,7 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
     UNROLL for (int j = 0; j < NT; ++j) {
       IV sums[S];
       UNROLL for (int s = 0; s < S; ++s) sums[s] = iadd(r[j][2 * s], r[j][2 * s + 1]);
-      acc[j] = vadd(acc[j], Q::value(sums, xs, dx, meta[j * nb + b]));
+      acc[j] = vadd(acc[j], Q::value(sums, xs, dx, bcast(meta[j * nb + b])));
     }
   }
   UNROLL for (int j = 0; j < NT; ++j) out[j] = acc[j];
@@ -357,6 +364,113 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
   }
 }
 
+// ---------------------------------------------------------------- a few rows of x: W rows in lanes
+// At M <= kRowLanesMaxM the x-in-lanes tiles above would leave most lanes empty; here each lane is a W
+// row instead (16 rows' blocks transposed so that lane j holds row j's 4 consecutive quants) and x's 4
+// bytes are broadcast. The same integers and the same float steps per output element: the same bits.
+constexpr int64_t kRowLanesMaxM = 4;  // measured: x rows in lanes is as fast from about 4 rows on
+constexpr int kRowTileM = 4;  // x rows per pass over a panel's blocks
+
+// an 8 x 8 matrix of dwords (row i at src + i * stride) -> dst + 64 * c: column c's 8 dwords
+inline void transpose8x8(const uint8_t* src, int64_t stride, uint8_t* dst) {
+  __m256i r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * stride));
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + c]: column c in the low 128 bits, column c + 4 in the high
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    store32(dst + 64 * c, _mm256_permute2x128_si256(u[c], u[c + 4], 0x20));
+    store32(dst + 64 * (c + 4), _mm256_permute2x128_si256(u[c], u[c + 4], 0x31));
+  }
+}
+
+// 16 decoded W rows, per block: quants [8 k4][16 lanes][4 bytes] and each lane's scales
+struct RowPanel {
+  std::vector<uint8_t> q;
+  std::vector<float> d, dmin;
+  std::vector<int32_t> s0, s1;
+  explicit RowPanel(int64_t nb)
+      : q(static_cast<size_t>(nb * kXGroupBytes)), d(nb * 16), dmin(nb * 16), s0(nb * 16), s1(nb * 16) {}
+};
+
+// out[i] (lane j) = the output of x row i and W row j; x row-major int8 [MR][k], dx [MR][nb], bs [MR][nb][2]
+template <class T, int MR>
+I8_TARGET void rows_tile(const RowPanel& wp, int64_t nb, const int8_t* xq, const float* dx, const int32_t* bs,
+                         int64_t k, V* out) {
+  using Q = I8<T>;
+  constexpr int S = Q::kSplit ? 2 : 1;
+  V acc[MR];
+  UNROLL for (int i = 0; i < MR; ++i) acc[i] = vzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    IV r[MR][2 * S];
+    UNROLL for (int i = 0; i < MR; ++i) UNROLL for (int s = 0; s < 2 * S; ++s) r[i][s] = izero();
+    UNROLL for (int k4 = 0; k4 < 8; ++k4) {
+      const IV w = iload(&wp.q[b * kXGroupBytes + 64 * k4]);
+      UNROLL for (int i = 0; i < MR; ++i) {
+        int32_t xv;
+        std::memcpy(&xv, xq + i * k + 32 * b + 4 * k4, 4);
+        dot4<Q::kSignedW>(r[i][2 * (k4 * S / 8) + (k4 & 1)], w, iset1(xv));
+      }
+    }
+    const WScales ws{vload(&wp.d[16 * b]), vload(&wp.dmin[16 * b]), iload(&wp.s0[16 * b]), iload(&wp.s1[16 * b])};
+    UNROLL for (int i = 0; i < MR; ++i) {
+      IV sums[S];
+      UNROLL for (int s = 0; s < S; ++s) sums[s] = iadd(r[i][2 * s], r[i][2 * s + 1]);
+      const XSums xs = Q::xsums(iset1(bs[(i * nb + b) * 2]), iset1(bs[(i * nb + b) * 2 + 1]));
+      acc[i] = vadd(acc[i], Q::value(sums, xs, vset1(dx[i * nb + b]), ws));
+    }
+  }
+  UNROLL for (int i = 0; i < MR; ++i) out[i] = acc[i];
+}
+
+// 16-row W tiles [t0, t1) against all m (<= kRowLanesMaxM) rows of x
+template <class T>
+I8_TARGET void int8_rows(const uint8_t* w, int64_t rb, const int8_t* xq, const float* dx, const int32_t* bs,
+                         float* y, int64_t m, int64_t n, int64_t k, int64_t t0, int64_t t1) {
+  const int64_t nb = k / 32;
+  std::vector<uint8_t> wq(static_cast<size_t>(16 * k), 0);
+  std::vector<WMeta> meta(static_cast<size_t>(16 * nb), WMeta{0.0f, 0.0f, 0, 0});
+  RowPanel wp(nb);
+  alignas(64) float t[kXLanes];
+  for (int64_t tt = t0; tt < t1; ++tt) {
+    const int64_t r0 = tt * 16, rows = std::min<int64_t>(16, n - r0);  // lanes past `rows`: stale, not stored
+    decode_panel<T>(w, rb, r0, rows, k, wq.data(), meta.data());
+    for (int64_t b = 0; b < nb; ++b) {
+      transpose8x8(&wq[32 * b], k, &wp.q[b * kXGroupBytes]);
+      transpose8x8(&wq[8 * k + 32 * b], k, &wp.q[b * kXGroupBytes + 32]);
+      for (int j = 0; j < 16; ++j) {
+        const WMeta& mt = meta[j * nb + b];
+        wp.d[16 * b + j] = mt.d;
+        wp.dmin[16 * b + j] = mt.dmin;
+        wp.s0[16 * b + j] = mt.s0;
+        wp.s1[16 * b + j] = mt.s1;
+      }
+    }
+    for (int64_t i0 = 0; i0 < m; i0 += kRowTileM) {
+      const int64_t mr = std::min<int64_t>(kRowTileM, m - i0);
+      V out[kRowTileM];
+      const int8_t* xi = xq + i0 * k;
+      const float* di = dx + i0 * nb;
+      const int32_t* bi = bs + i0 * nb * 2;
+      if (mr == 4) rows_tile<T, 4>(wp, nb, xi, di, bi, k, out);
+      else if (mr == 3) rows_tile<T, 3>(wp, nb, xi, di, bi, k, out);
+      else if (mr == 2) rows_tile<T, 2>(wp, nb, xi, di, bi, k, out);
+      else rows_tile<T, 1>(wp, nb, xi, di, bi, k, out);
+      for (int64_t i = 0; i < mr; ++i) {
+        vstore(t, out[i]);
+        std::memcpy(y + (i0 + i) * n + r0, t, static_cast<size_t>(rows) * sizeof(float));
+      }
+    }
+  }
+}
+
 bool int8_supported() {
 #ifdef LOCKSTEP_AVX512
   static const bool ok = __builtin_cpu_supports("avx512vnni");
@@ -389,12 +503,33 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, const std:
   const int64_t m = x.size(0), n = blocks.size(0), rb = blocks.stride(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nb = k / 32;
+  if (m <= kRowLanesMaxM) {
+    std::vector<int8_t> xq(static_cast<size_t>(m * k));
+    std::vector<float> dx(static_cast<size_t>(m * nb));
+    std::vector<int32_t> bs(static_cast<size_t>(m * nb * 2));
+    const float* xs = x.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        int8_t* q = &xq[r * k + 32 * b];
+        dx[r * nb + b] = quantize_block32(xs + r * k + 32 * b, q);
+        bs[(r * nb + b) * 2] = sum_i8(q, 16);
+        bs[(r * nb + b) * 2 + 1] = sum_i8(q + 16, 16);
+      }
+    dispatch_int8(qtype, [&](auto tag) {
+      using T = decltype(tag);
+      at::parallel_for(0, (n + 15) / 16, 16, [&](int64_t t0, int64_t t1) {
+        int8_rows<T>(w, rb, xq.data(), dx.data(), bs.data(), yp, m, n, k, t0, t1);
+      });
+    });
+    return y;
+  }
   XInt8 xp;
   pack_x_int8(x.data_ptr<float>(), m, k, xp);
   // a panel of decoded rows stays in L1/L2 while every group of x passes over it
   const int64_t prow = std::max<int64_t>(kI8Rows, std::min<int64_t>(64, 32768 / k) / kI8Rows * kI8Rows);
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
   dispatch_int8(qtype, [&](auto tag) {
     using T = decltype(tag);
     at::parallel_for(0, (n + prow - 1) / prow, 1, [&](int64_t p0, int64_t p1) {
