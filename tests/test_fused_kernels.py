@@ -51,6 +51,17 @@ def test_rms_norm_and_residual_step(variant: str, d: int) -> None:
     assert torch.equal(mod.rms_norm(wide[:, :d], wy, eps), mod.rms_norm(wide[:, :d].contiguous(), wy, eps))
 
 
+@pytest.mark.parametrize("variant", variant_params())
+def test_rows_split_over_threads_equal_rows_alone(variant: str) -> None:
+    """Prefill-sized inputs fork over threads (decode-sized ones do not): each row the same either way."""
+    mod = compiled(variant)
+    g = torch.Generator().manual_seed(9)
+    x, h, w = torch.randn(4000, 96, generator=g), torch.randn(4000, 96, generator=g), torch.rand(96) + 0.5
+    rows_alone_equal(lambda a: mod.rms_norm(a, w, 1e-6), x)
+    rows_alone_equal(lambda a: mod.add_rms_norm(a[:, :96], a[:, 96:], w, w, 1e-6)[1], torch.cat([h, x], 1))
+    rows_alone_equal(lambda a: mod.act_and_mul(a, "gelu_tanh"), torch.cat([h, x], 1))
+
+
 def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return fused.rotate(x.double(), cos.double(), sin.double())
 

@@ -103,8 +103,10 @@ void check_vec(const at::Tensor& w, int64_t d, const char* what) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == d && w.is_contiguous(),
               what, " must be contiguous float32 [", d, "]");
 }
-// rows per task: enough work that forking threads pays; a decode step's single row never forks
-inline int64_t row_grain(int64_t d) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)); }
+// rows per task: at least 128k elements (tens of microseconds), so a decode batch's few rows run on
+// the calling thread: a fork costs more than it saves there, and far more when another process holds
+// the second core (the calling thread then waits a scheduler tick at the join). Prefill forks.
+inline int64_t row_grain(int64_t d) { return std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(d, 1)); }
 
 // y = rmsnorm(x) * w per row
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
