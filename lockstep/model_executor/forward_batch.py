@@ -25,7 +25,8 @@ class AttentionMetadata:
     # For attention one request at a time: every request's KV slots back to back, unpadded, and
     # per request (first query row, queries, keys, first row of its keys in kv_flat).
     kv_flat: torch.Tensor
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B,1,Q,L]
+    # window -> [B,1,Q,L]; empty for a CPU batch of decodes, which reads no mask
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     # The requests with one query (decode), for the decode kernel: their query rows [R], and the first
     # row of their keys in kv_flat and how many [R].
@@ -60,6 +61,9 @@ class ForwardBatch:
         max_q, max_l = int(ext.max()), int(seq.max())
         device = self.input_ids.device
         kv = req_to_token[self.req_pool_indices, :max_l]
+        if max_q == 1 and device.type == "cpu":
+            self.attn = _cpu_decode_metadata(kv, seq, max_l)
+            return
         q_idx = torch.arange(max_q, device=device)
         k_idx = torch.arange(max_l, device=device)
         starts = torch.cumsum(ext, 0) - ext
@@ -83,6 +87,17 @@ class ForwardBatch:
         one = ext == 1
         self.attn = AttentionMetadata(kv, row_of_token * max_q + col_of_token, max_q, kv_flat,
                                       masks, spans, starts[one], k_starts[one], seq[one])
+
+
+def _cpu_decode_metadata(kv: torch.Tensor, seq: torch.Tensor, max_l: int) -> AttentionMetadata:
+    """A CPU batch of decodes (one query per request): the decode kernel reads every request's keys
+    from kv_flat, so no masks are built (a per-step cost, a third of this function's)."""
+    b = seq.numel()
+    real = torch.arange(max_l, device=kv.device)[None, :] < seq[:, None]
+    k_starts = torch.cumsum(seq, 0) - seq
+    rows = torch.arange(b, device=kv.device)
+    spans = [(i, 1, n, k0) for i, (n, k0) in enumerate(zip(seq.tolist(), k_starts.tolist()))]
+    return AttentionMetadata(torch.where(real, kv, 0), rows, 1, kv[real], {}, spans, rows, k_starts, seq)
 
 
 def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:
