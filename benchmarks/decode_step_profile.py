@@ -44,6 +44,7 @@ def _labelled(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 def main() -> None:
     batch = int(sys.argv[1])
     kernels.linear = _labelled(kernels.linear, "lockstep::linear")
+    kernels.linear_parts = _labelled(kernels.linear_parts, "lockstep::linear")
     kernels.embedding = _labelled(kernels.embedding, "lockstep::embedding")
     attention.decode_attention = _labelled(attention.decode_attention, "lockstep::decode_attention")
     sampler.argmax = _labelled(sampler.argmax, "lockstep::argmax")
