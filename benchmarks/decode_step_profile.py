@@ -17,6 +17,7 @@ from torch.profiler import profile, record_function
 from lockstep import kernels
 from lockstep.bench.datasets import load_tokenizer
 from lockstep.bench.one_batch import LockstepBench, make_prompts
+from lockstep.kernels import fused
 from lockstep.layers import attention, sampler
 from lockstep.model_loader import resolve_model
 from lockstep.testing.inproc import greedy_req
@@ -25,6 +26,7 @@ STEPS = 8
 GROUPS = {
     # The compiled kernels are not torch ops: main() labels their calls for the profiler.
     "linears": ["lockstep::linear", "aten::addmm", "aten::linear"],
+    "fused norms, rotary, activation": ["lockstep::fused"],
     "embedding rows": ["lockstep::embedding"],
     "KV gather": ["aten::index", "aten::index_select"],
     "attention math": ["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm",
@@ -45,6 +47,8 @@ def main() -> None:
     batch = int(sys.argv[1])
     kernels.linear = _labelled(kernels.linear, "lockstep::linear")
     kernels.linear_parts = _labelled(kernels.linear_parts, "lockstep::linear")
+    for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "act_and_mul"):
+        setattr(fused, name, _labelled(getattr(fused, name), "lockstep::fused"))
     kernels.embedding = _labelled(kernels.embedding, "lockstep::embedding")
     attention.decode_attention = _labelled(attention.decode_attention, "lockstep::decode_attention")
     sampler.argmax = _labelled(sampler.argmax, "lockstep::argmax")
