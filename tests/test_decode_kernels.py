@@ -119,3 +119,35 @@ def test_argmax_rows_equals_torch(variant) -> None:
     for x in argmax_cases():
         assert torch.equal(compiled(variant).argmax_rows(x), x.max(dim=-1).indices)
         assert torch.equal(compiled(variant).argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_a_decode_attends_the_same_alone_and_beside_a_prefill() -> None:
+    """PagedAttention on CPU: a one-query request's output is bitwise the same in a decode batch of
+    its own and in a mixed batch, beside a prefill (which takes SDPA)."""
+    from lockstep.layers.attention import PagedAttention
+    from lockstep.mem_cache.memory_pool import TokenToKVPool
+    from lockstep.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    h, hkv, d, prefix = 4, 1, 64, 40
+    g = torch.Generator().manual_seed(11)
+    pool = TokenToKVPool(128, range(1), hkv, d, torch.float32, "cpu")
+    pool.k_buffer[0][1:prefix + 1] = torch.randn(prefix, hkv, d, generator=g)
+    pool.v_buffer[0][1:prefix + 1] = torch.randn(prefix, hkv, d, generator=g)
+    req_to_token = torch.zeros(2, 64, dtype=torch.int64)
+    req_to_token[0, :prefix + 1] = torch.arange(1, prefix + 2)  # the decode: 40 keys + its new one
+    req_to_token[1, :6] = torch.arange(60, 66)  # a prefill of 6
+    attn = PagedAttention(0, h, hkv, d, d**-0.5, window=16)
+    q, k, v = torch.randn(7, h, d, generator=g), torch.randn(7, hkv, d, generator=g), torch.randn(7, hkv, d, generator=g)
+
+    def run(mode, rows, reqs, prefix_lens, extend_lens, slots):
+        t = torch.tensor
+        fb = ForwardBatch(mode, t([0] * len(rows)), t([0] * len(rows)), t(slots), t(reqs), t(prefix_lens),
+                          t(extend_lens), t([0]))
+        fb.build_attention(req_to_token, {16})
+        return attn(q[rows], k[rows], v[rows], fb, pool)
+
+    alone = run(ForwardMode.DECODE, [0], [0], [prefix], [1], [prefix + 1])
+    prefill_slots = list(range(60, 66))
+    mixed = run(ForwardMode.MIXED, [1, 2, 3, 4, 5, 6, 0], [1, 0], [0, prefix], [6, 1], [*prefill_slots, prefix + 1])
+    assert mixed.shape == (7, h * d)
+    assert torch.equal(mixed[6], alone[0])
