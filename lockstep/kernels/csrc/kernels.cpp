@@ -239,14 +239,27 @@ struct Q4_K {
   }
   static void load32(const uint8_t* row, int64_t b, const Scales& s, V& w0, V& w1) {
     const int j = static_cast<int>(b & 7);
-    const __m256i qs = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(row + 144 * (b >> 3) + 16 + 32 * (j >> 1)));
+    const uint8_t* p = row + 144 * (b >> 3) + 16 + 32 * (j >> 1);
+#ifdef LOCKSTEP_AVX512
+    // The 16 values this group can take, a * i - m (the same two roundings as per element), looked
+    // up by each 4-bit code (one permute) instead of converting, scaling and offsetting each quant.
+    const __m512 tab = _mm512_sub_ps(
+        _mm512_mul_ps(_mm512_set1_ps(s.a[j]), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_ps(s.m[j]));
+    const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
+    const __m512i lo = _mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(p)), shift);
+    const __m512i hi = _mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(p + 16)), shift);
+    w0 = {_mm512_permutexvar_ps(lo, tab)};  // uses the index's low 4 bits: the code
+    w1 = {_mm512_permutexvar_ps(hi, tab)};
+#else
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i q = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (j & 1))),
                                        _mm256_set1_epi8(0x0F));
     const V a = vset1(s.a[j]), m = vset1(s.m[j]);
     from_i8x32(q, w0, w1);
     w0 = vsub(vmul(a, w0), m);
     w1 = vsub(vmul(a, w1), m);
+#endif
   }
 };
 // Q6_K super-block of 256: ql[128], qh[64], int8 scales[16] (one per 16 elements), half d at the end.
