@@ -92,11 +92,11 @@ def test_linear_int8_is_the_reference_bitwise_and_batch_invariant(variant: str, 
 
 @pytest.mark.parametrize("variant", int8_variant_params())
 def test_panels_and_strided_shards(variant: str) -> None:
-    """More rows than one panel (the last one partial), K past one panel's budget, and a row-parallel
-    shard (a column slice of whole blocks) served without a copy."""
+    """More rows than one panel (the last one partial), K past one panel's budget, more x rows than one
+    pass, and a row-parallel shard (a column slice of whole blocks) served without a copy."""
     mod = compiled(variant)
     blocks = random_blocks("Q4_K", 203, 2048, seed=30)
-    x = activations(20, 2048, seed=31)
+    x = activations(300, 2048, seed=31)  # two passes over x (256 rows each), the second partial
     assert torch.equal(mod.linear_int8(x, blocks, "Q4_K", 2048), linear_int8_reference(x, blocks, "Q4_K", 2048))
     shard = blocks[:, 144 * 2 : 144 * 4]
     assert not shard.is_contiguous()

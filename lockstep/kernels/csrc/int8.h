@@ -341,10 +341,10 @@ inline void store_lanes(const float* t, int64_t cols, int64_t lanes, float* y, i
   }
 }
 
-// W row panels [p0, p1) of `prow` rows each against every group of x
+// W row panels [p0, p1) of `prow` rows each against groups [g0, g1) of x
 template <class T>
 I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float* y, int64_t m, int64_t n,
-                           int64_t k, int64_t prow, int64_t p0, int64_t p1) {
+                           int64_t k, int64_t prow, int64_t p0, int64_t p1, int64_t g0, int64_t g1) {
   const int64_t nb = k / 32;
   std::vector<uint8_t> wq(static_cast<size_t>(prow * k), 0);
   std::vector<WMeta> meta(static_cast<size_t>(prow * nb), WMeta{0.0f, 0.0f, 0, 0});
@@ -352,7 +352,7 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t r0 = p * prow, rows = std::min(prow, n - r0);
     decode_panel<T>(w, rb, r0, rows, k, wq.data(), meta.data());
-    for (int64_t g = 0; g < xp.groups; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
       const int64_t lanes = std::min<int64_t>(kXLanes, m - g * kXLanes);
       for (int64_t j0 = 0; j0 < rows; j0 += kI8Rows) {  // rows past `rows` hold stale or zero data: not stored
         V out[kI8Rows];
@@ -530,11 +530,17 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, const std:
   pack_x_int8(x.data_ptr<float>(), m, k, xp);
   // a panel of decoded rows stays in L1/L2 while every group of x passes over it
   const int64_t prow = std::max<int64_t>(kI8Rows, std::min<int64_t>(64, 32768 / k) / kI8Rows * kI8Rows);
+  // x in passes of kPassGroups groups (256 rows): a pass's packed blocks stay in L2 while every W panel
+  // goes over them; W panels are decoded once per pass (cheap next to 256 rows of dot products)
+  constexpr int64_t kPassGroups = 16;
   dispatch_int8(qtype, [&](auto tag) {
     using T = decltype(tag);
-    at::parallel_for(0, (n + prow - 1) / prow, 1, [&](int64_t p0, int64_t p1) {
-      int8_panels<T>(w, rb, xp, yp, m, n, k, prow, p0, p1);
-    });
+    for (int64_t g0 = 0; g0 < xp.groups; g0 += kPassGroups) {
+      const int64_t g1 = std::min(xp.groups, g0 + kPassGroups);
+      at::parallel_for(0, (n + prow - 1) / prow, 1, [&](int64_t p0, int64_t p1) {
+        int8_panels<T>(w, rb, xp, yp, m, n, k, prow, p0, p1, g0, g1);
+      });
+    }
   });
   return y;
 }
