@@ -190,26 +190,25 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
     }
   });
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, r_n * kvh_n, 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t r = w / kvh_n, kvh = w % kvh_n, chunks = (item0[r + 1] - item0[r]) / kvh_n;
-      for (int64_t h = 0; h < g; ++h) {
-        float* o = op + (r * h_n + kvh * g + h) * d;
-        float mx = -INFINITY;
-        for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part[(item0[r] + c * kvh_n + kvh) * g * (d + 2) + h]);
-        float l = 0.0f;
-        for (int64_t x = 0; x < d; ++x) o[x] = 0.0f;
-        for (int64_t c = 0; c < chunks; ++c) {
-          const float* pp = part.data() + (item0[r] + c * kvh_n + kvh) * g * (d + 2);
-          const float f = chunks == 1 ? 1.0f : exp1(pp[h] - mx);
-          l += f * pp[g + h];
-          const float* a = pp + 2 * g + h * d;
-          for (int64_t x = 0; x < d; x += 16) vstore(o + x, vfma(vset1(f), vload(a + x), vload(o + x)));
-        }
-        const V inv = vset1(1.0f / l);
-        for (int64_t x = 0; x < d; x += 16) vstore(o + x, vmul(vload(o + x), inv));
+  // the merge is ~g * d flops per chunk: on the calling thread, a fork-join would cost more
+  for (int64_t w = 0; w < r_n * kvh_n; ++w) {
+    const int64_t r = w / kvh_n, kvh = w % kvh_n, chunks = (item0[r + 1] - item0[r]) / kvh_n;
+    for (int64_t h = 0; h < g; ++h) {
+      float* o = op + (r * h_n + kvh * g + h) * d;
+      float mx = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part[(item0[r] + c * kvh_n + kvh) * g * (d + 2) + h]);
+      float l = 0.0f;
+      for (int64_t x = 0; x < d; ++x) o[x] = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* pp = part.data() + (item0[r] + c * kvh_n + kvh) * g * (d + 2);
+        const float f = chunks == 1 ? 1.0f : exp1(pp[h] - mx);
+        l += f * pp[g + h];
+        const float* a = pp + 2 * g + h * d;
+        for (int64_t x = 0; x < d; x += 16) vstore(o + x, vfma(vset1(f), vload(a + x), vload(o + x)));
       }
+      const V inv = vset1(1.0f / l);
+      for (int64_t x = 0; x < d; x += 16) vstore(o + x, vmul(vload(o + x), inv));
     }
-  });
+  }
   return out;
 }
