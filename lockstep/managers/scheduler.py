@@ -297,7 +297,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.chunked_req is not None:
             req = self.chunked_req
             take = min(req.seq_len - req.cached_len, budget)
-            loc = self._alloc_retracting(take)
+            loc = self._alloc_retracting(lambda: take)
             if loc is None:  # admission reserved the prompt; only decodes compete for it
                 raise RuntimeError("KV for an admitted chunked prefill was not available")
             req.device_len = req.cached_len + take
@@ -377,28 +377,25 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self._sync()
         if not self.running:
             return None
-        loc = self._alloc_retracting(len(self.running), sized_by_running=True)
-        if loc is None:
+        loc = self._alloc_retracting(lambda: len(self.running))
+        if loc is None or not self.running:
             return None
         for i, req in enumerate(self.running):
             req.device_len = req.cached_len + 1
             self.req_to_token_pool.req_to_token[req.req_pool_idx, req.cached_len] = loc[i]
         return ScheduleBatch(list(self.running), ForwardMode.DECODE, [True] * len(self.running), loc)
 
-    def _alloc_retracting(self, n: int, sized_by_running: bool = False) -> torch.Tensor | None:
-        """`n` KV slots, retracting running requests while the pool is short: decodes between
-        the chunks of a mixed-chunk prefill can use up what its admission counted on. With
-        `sized_by_running`, n is the running batch's size and shrinks as requests go."""
-        loc = self._alloc(n)
-        if loc is None and self.inflight is not None:
-            # Retraction picks by real outputs and must not drop a token in flight: resolve
-            # first (finished requests may also free enough KV).
-            self._sync()
-            loc = self._alloc(len(self.running) if sized_by_running else n)
+    def _alloc_retracting(self, size: Callable[[], int]) -> torch.Tensor | None:
+        """KV slots for `size()` (re-read as requests go), retracting running requests while the
+        pool is short: decodes mixed between a chunked prefill's chunks can use up its share."""
+        loc = self._alloc(size())
         while loc is None and self.running:
-            self._retract_one()
-            loc = self._alloc(len(self.running) if sized_by_running else n)
-        return loc if not sized_by_running or self.running else None
+            if self.inflight is not None:  # retraction picks by real outputs: resolve first
+                self._sync()
+            else:
+                self._retract_one()
+            loc = self._alloc(size())
+        return loc
 
     def _retract_one(self) -> None:
         """Retract the request that loses least: fewest tokens decoded, then longest prompt."""
