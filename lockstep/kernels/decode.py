@@ -37,12 +37,13 @@ def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torc
                                scaling: float, softcap: float | None, window: int | None) -> torch.Tensor:
     r, h, d = q.shape
     hkv = k_buf.shape[1]
+    # one gather for the batch (a call per request costs more at batch 32), then each request's rows
+    keys_all, vals_all = k_buf.index_select(0, kv_slots), v_buf.index_select(0, kv_slots)
     outs = []
     for i, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
         lo = 0 if window is None else max(0, n - window)
-        slots = kv_slots[s + lo:s + n]
-        keys = k_buf.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
-        vals = v_buf.index_select(0, slots).transpose(0, 1)
+        keys = keys_all[s + lo:s + n].transpose(0, 1)  # [Hkv, L, D]
+        vals = vals_all[s + lo:s + n].transpose(0, 1)
         # the query heads sharing a KV head are stacked into its rows, so K/V are not repeated
         scores = torch.matmul(q[i].reshape(hkv, h // hkv, d), keys.transpose(-1, -2)).mul_(scaling)
         if softcap is not None:
