@@ -490,12 +490,6 @@ void dispatch_int8(const std::string& qtype, F&& f) {
   TORCH_CHECK(false, "lockstep kernels: no int8 kernel for block type ", qtype);
 }
 
-void check_x_f32(const at::Tensor& x, int64_t k) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
-                  x.device().is_cpu(),
-              "x must be contiguous float32 [M, ", k, "] on the CPU");
-}
-
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, const std::string& qtype, int64_t k) {
   check_blocks(blocks, k);
   check_x_f32(x, k);

@@ -450,6 +450,12 @@ void check_blocks(const at::Tensor& blocks, int64_t k) {
   TORCH_CHECK(k > 0 && k % 32 == 0, "the kernels take rows of whole 32-element groups, got ", k);
 }
 
+void check_x_f32(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
+                  x.device().is_cpu(),
+              "x must be contiguous float32 [M, ", k, "] on the CPU");
+}
+
 // y [M, sum N_i] = x . [W_0; W_1; ...]^T: the parts of a fused layer (q/k/v, gate/up), each of its own
 // block type, side by side in one output. At M <= kGemvMaxM one parallel region spans every part's
 // tiles (one fork per layer call, the threads balanced over all of them); larger M runs part by part.
@@ -457,9 +463,7 @@ at::Tensor linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& bloc
                         const std::vector<std::string>& qtypes, int64_t k) {
   TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size(), "one block type per part");
   for (const auto& b : blocks) check_blocks(b, k);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
-                  x.device().is_cpu(),
-              "x must be contiguous float32 [M, ", k, "] on the CPU");
+  check_x_f32(x, k);
   const int64_t m = x.size(0), groups = k / 32, parts = static_cast<int64_t>(blocks.size());
   int64_t n_total = 0;
   for (const auto& b : blocks) n_total += b.size(0);
