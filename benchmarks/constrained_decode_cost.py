@@ -21,8 +21,9 @@ from typing import Any
 
 import lockstep.layers.sampler as sampler_mod
 from lockstep.constrained import Constraint, GrammarBackend, GrammarMatcher
-from lockstep.managers.io_struct import SamplingParams, TokenizedGenerateReq
+from lockstep.core import SamplingParams
 from lockstep.managers.scheduler import create_scheduler
+from lockstep.messages import TokenizedGenerateReq
 from lockstep.model_loader import resolve_model
 from lockstep.server_args import ServerArgs
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from lockstep.entrypoints.chat_templates import (
+from lockstep.entrypoints.openai.chat_templates import (
     ARCH_TO_TEMPLATE,
     BUILTIN_CHAT_TEMPLATES,
     ChatTemplateError,

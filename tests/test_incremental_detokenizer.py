@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lockstep.managers.incremental_detokenizer import IncrementalDetokenizer
+from lockstep.detokenizer.incremental_detokenizer import IncrementalDetokenizer
 
 # ---------------------------------------------------------------------------------------------
 # A byte-level toy tokenizer: one token may carry part of a UTF-8 character, like byte-level BPE.

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from lockstep.managers.io_struct import AbortReq, BaseFinishReason
+from lockstep.core import BaseFinishReason
+from lockstep.messages import AbortReq
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 

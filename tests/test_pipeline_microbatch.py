@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from lockstep.entrypoints.engine import launch_subprocesses
-from lockstep.managers.io_struct import TokenizedGenerateReq
-from lockstep.managers.schedule_batch import ModelWorkerBatch
-from lockstep.model_executor.forward_batch import (
+from lockstep.core import (
     ForwardMode,
     micro_batch_ranges,
     split_forward_batch,
 )
+from lockstep.entrypoints.engine import launch_subprocesses
+from lockstep.managers.schedule_batch import ModelWorkerBatch
+from lockstep.messages import TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
 from lockstep.utils.process import free_port

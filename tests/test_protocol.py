@@ -5,30 +5,30 @@ import json
 import pydantic
 import pytest
 
-from lockstep.entrypoints.errors import format_validation_error
-from lockstep.entrypoints.openai_api import (
-    _without_null_usage,
-    chat_logprobs,
-    completion_logprobs,
-    finish_of,
-    usage_of,
-)
-from lockstep.entrypoints.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse,
-    CompletionRequest,
-    DeltaMessage,
-)
-from lockstep.managers.generate_request import GenerateReqInput, SamplingParamsModel
-from lockstep.managers.io_struct import (
+from lockstep.core import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_MATCHED_STR,
     FINISH_MATCHED_TOKEN,
     TokenLogprob,
 )
-from lockstep.managers.tokenizer_manager import GenerateOutput
+from lockstep.entrypoints.errors import format_validation_error
+from lockstep.entrypoints.generate_request import GenerateReqInput, SamplingParamsModel
+from lockstep.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    DeltaMessage,
+)
+from lockstep.entrypoints.openai.serving import (
+    _without_null_usage,
+    chat_logprobs,
+    completion_logprobs,
+    finish_of,
+    usage_of,
+)
+from lockstep.entrypoints.tokenizer_manager import GenerateOutput
 from lockstep.utils.http import ErrorResponse, dumps, error_body
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from lockstep.managers.io_struct import FINISH_LENGTH, FINISH_MATCHED_TOKEN, AbortReq
+from lockstep.core import FINISH_LENGTH, FINISH_MATCHED_TOKEN
 from lockstep.managers.schedule_batch import Req
 from lockstep.managers.schedule_policy import order_waiting
+from lockstep.messages import AbortReq
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.tiny_models import make_tiny_model
 
@@ -72,7 +73,7 @@ def test_lpm_orders_by_match_length(model_dir):
     sched = make_scheduler(model_dir, max_total_tokens=2000)
     shared = list(range(10, 60))
     run_to_completion(sched, [greedy_req("seed", shared, 2)])
-    from lockstep.managers.io_struct import SamplingParams
+    from lockstep.core import SamplingParams
     waiting = [Req(f"w{n}", shared[:n] + [7, 8, 9], SamplingParams(), arrival=i)
                for i, n in enumerate([5, 40, 0, 20])]
     order = order_waiting("lpm", waiting, sched.tree, random.Random(0))

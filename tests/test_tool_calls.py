@@ -15,14 +15,14 @@ import pydantic
 import pytest
 from transformers import AutoTokenizer
 
-from lockstep.entrypoints.chat_templates import (
+from lockstep.entrypoints.errors import format_validation_error
+from lockstep.entrypoints.openai.chat_templates import (
     BUILTIN_CHAT_TEMPLATES,
     ChatTemplateError,
     render_chat,
 )
-from lockstep.entrypoints.errors import format_validation_error
-from lockstep.entrypoints.protocol import ChatCompletionRequest
-from lockstep.entrypoints.tool_calls import (
+from lockstep.entrypoints.openai.protocol import ChatCompletionRequest
+from lockstep.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolPlan,
     ToolRequestError,

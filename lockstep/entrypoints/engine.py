@@ -39,14 +39,15 @@ from typing import Any
 import pydantic
 
 from lockstep.configs.model_config import ModelConfig
+from lockstep.core import FINISH_ABORT
+from lockstep.detokenizer.detokenizer_manager import load_tokenizer, run_detokenizer_process
 from lockstep.entrypoints.errors import format_validation_error
 from lockstep.entrypoints.fanout import Fanout, run_to_completion, start_stream
+from lockstep.entrypoints.generate_request import GenerateReqInput
+from lockstep.entrypoints.tokenizer_manager import GenerateOutput, TokenizerManager
 from lockstep.managers.data_parallel_controller import run_data_parallel_controller
-from lockstep.managers.detokenizer_manager import load_tokenizer, run_detokenizer_process
-from lockstep.managers.generate_request import GenerateReqInput
-from lockstep.managers.io_struct import FINISH_ABORT, ReqOutput
 from lockstep.managers.scheduler_process import run_scheduler_process
-from lockstep.managers.tokenizer_manager import GenerateOutput, TokenizerManager
+from lockstep.messages import ReqOutput
 from lockstep.model_loader import resolve_model
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import kill_tree

@@ -14,8 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lockstep.managers.generate_request import UNION_TAGS
-from lockstep.managers.tokenizer_manager import RequestError
+from lockstep.entrypoints.generate_request import UNION_TAGS
+from lockstep.entrypoints.tokenizer_manager import RequestError
 from lockstep.utils.http import error_response
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from lockstep.core import FINISH_ABORT
 from lockstep.entrypoints.errors import ClientGone
-from lockstep.managers.generate_request import GenerateReqInput, SingleGenerateReq
-from lockstep.managers.io_struct import FINISH_ABORT
-from lockstep.managers.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
+from lockstep.entrypoints.generate_request import GenerateReqInput, SingleGenerateReq
+from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.utils.asgi import wait_disconnect
 
 

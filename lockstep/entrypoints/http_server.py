@@ -25,21 +25,21 @@ from lockstep import __version__
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
 from lockstep.entrypoints.fanout import check_fanout, run_to_completion, start_stream
+from lockstep.entrypoints.generate_request import GenerateReqInput
+from lockstep.entrypoints.metrics import CONTENT_TYPE, Metrics
 from lockstep.entrypoints.middleware import (
     GuardMiddleware,
     JSONRoute,
     ServerStatus,
     unavailable_response,
 )
-from lockstep.entrypoints.openai_api import OpenAIServing
-from lockstep.entrypoints.protocol import (
+from lockstep.entrypoints.openai.protocol import (
     AbortRequestInput,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from lockstep.managers.generate_request import GenerateReqInput
-from lockstep.managers.metrics import CONTENT_TYPE, Metrics
-from lockstep.managers.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
+from lockstep.entrypoints.openai.serving import OpenAIServing
+from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, ErrorResponse, error_response, json_response, sse

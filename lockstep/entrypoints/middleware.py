@@ -12,7 +12,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lockstep.managers.tokenizer_manager import RETRY_AFTER_S
+from lockstep.entrypoints.tokenizer_manager import RETRY_AFTER_S
 from lockstep.utils.http import error_response
 
 _NO_AUTH_PATHS = frozenset({"/health"})

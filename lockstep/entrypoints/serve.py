@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import uvicorn
 
-from lockstep.entrypoints.chat_templates import ChatTemplateError, resolve_chat_template
+from lockstep.core import FINISH_ABORT
 from lockstep.entrypoints.engine import (
     Launched,
     LaunchError,
@@ -28,8 +28,8 @@ from lockstep.entrypoints.engine import (
 )
 from lockstep.entrypoints.http_server import create_app
 from lockstep.entrypoints.middleware import ServerStatus
-from lockstep.managers.io_struct import FINISH_ABORT
-from lockstep.managers.tokenizer_manager import RETRY_AFTER_S
+from lockstep.entrypoints.openai.chat_templates import ChatTemplateError, resolve_chat_template
+from lockstep.entrypoints.tokenizer_manager import RETRY_AFTER_S
 from lockstep.server_args import ServerArgs
 from lockstep.utils.http import error_body
 from lockstep.utils.process import configure_logging

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.core import AttentionMetadata, ForwardBatch
 from lockstep.kernels.decode import decode_attention
 from lockstep.mem_cache.memory_pool import TokenToKVPool
-from lockstep.model_executor.forward_batch import AttentionMetadata, ForwardBatch
 
 
 class PagedAttention(nn.Module):

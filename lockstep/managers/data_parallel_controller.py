@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from lockstep.managers.io_struct import (
+from lockstep.messages import (
     AbortReq,
     FlushCacheReq,
     LoadReport,

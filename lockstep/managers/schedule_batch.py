@@ -21,14 +21,9 @@ from typing import Any
 import torch
 
 from lockstep.constrained import GrammarMatcher
+from lockstep.core import BaseFinishReason, ForwardBatch, ForwardMode, SamplingParams, TokenLogprob
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
-from lockstep.managers.io_struct import (
-    BaseFinishReason,
-    SamplingParams,
-    TokenizedGenerateReq,
-    TokenLogprob,
-)
-from lockstep.model_executor.forward_batch import ForwardBatch, ForwardMode
+from lockstep.messages import TokenizedGenerateReq
 
 
 class ReqState(Enum):

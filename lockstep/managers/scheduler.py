@@ -18,21 +18,20 @@ from typing import Any
 import torch
 
 from lockstep.constrained import GrammarBackend, grammar_backend_for, request_matcher
-from lockstep.managers.io_struct import (
-    FINISH_ABORT,
-    AbortReq,
-    FlushCacheOut,
-    FlushCacheReq,
-    ReqOutput,
-    TokenizedGenerateReq,
-)
+from lockstep.core import FINISH_ABORT, ForwardMode
 from lockstep.managers.schedule_batch import Req, ReqState, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
 from lockstep.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
 from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from lockstep.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from lockstep.mem_cache.radix_cache import ChunkCache, RadixCache
-from lockstep.model_executor.forward_batch import ForwardMode
+from lockstep.messages import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    ReqOutput,
+    TokenizedGenerateReq,
+)
 from lockstep.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -4,17 +4,17 @@ tokens into its requests, decide which finished, and queue the outputs the sched
 
 from __future__ import annotations
 
-from lockstep.managers.io_struct import (
+from lockstep.core import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_MATCHED_TOKEN,
     BaseFinishReason,
-    ReqOutput,
+    ForwardMode,
     TokenLogprob,
 )
 from lockstep.managers.schedule_batch import Req, ReqState, ScheduleBatch
 from lockstep.managers.tp_worker import GenerationBatchResult
-from lockstep.model_executor.forward_batch import ForwardMode
+from lockstep.messages import ReqOutput
 
 
 class SchedulerOutputProcessorMixin:

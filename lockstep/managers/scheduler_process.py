@@ -23,9 +23,9 @@ from lockstep.distributed.communication import (
     make_world_group,
 )
 from lockstep.distributed.parallel_state import ParallelGroup
-from lockstep.managers.io_struct import BatchTokenIDOut, LoadReport, decode, encode
 from lockstep.managers.scheduler import Scheduler, create_scheduler
 from lockstep.managers.watchdog import ForwardProgressWatchdog
+from lockstep.messages import BatchTokenIDOut, LoadReport, decode, encode
 from lockstep.model_executor.weight_setup import weight_bytes
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import configure_logging, die_with_parent, set_title

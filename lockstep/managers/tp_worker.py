@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lockstep.core import ForwardBatch, split_forward_batch
 from lockstep.distributed.communication import broadcast_pyobj
 from lockstep.layers.sampler import sample
 from lockstep.managers.schedule_batch import ModelWorkerBatch
-from lockstep.model_executor.forward_batch import ForwardBatch, split_forward_batch
 from lockstep.model_executor.model_runner import ModelRunner
 
 # Prompt-logprob rows are turned into logits this many at a time: a 262k-wide row costs 1 MB.

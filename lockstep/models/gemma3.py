@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from lockstep.configs.model_config import ModelConfig
+from lockstep.core import ForwardBatch
 from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
 from lockstep.layers.norm import RMSNorm, add_norm
 from lockstep.mem_cache.memory_pool import TokenToKVPool
-from lockstep.model_executor.forward_batch import ForwardBatch
 from lockstep.models.llama import MLP, Attention, LlamaForCausalLM, RopeTables
 
 

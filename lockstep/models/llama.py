@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lockstep.configs.model_config import ModelConfig
+from lockstep.core import ForwardBatch
 from lockstep.distributed.parallel_state import (
     NO_PIPELINE,
     ParallelGroup,
@@ -23,7 +24,6 @@ from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from lockstep.layers.norm import RMSNorm, add_norm
 from lockstep.layers.rotary import RotaryEmbedding
 from lockstep.mem_cache.memory_pool import TokenToKVPool
-from lockstep.model_executor.forward_batch import ForwardBatch
 
 # checkpoint name fragment -> (our parameter fragment, shard id for fused parameters)
 STACKED_PARAMS = {

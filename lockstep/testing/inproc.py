@@ -6,9 +6,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.managers.generate_request import GenerateReqInput
-from lockstep.managers.io_struct import BaseFinishReason, SamplingParams, TokenizedGenerateReq
+from lockstep.core import BaseFinishReason, SamplingParams
+from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.managers.scheduler import Scheduler, create_scheduler
+from lockstep.messages import TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 
 

@@ -18,19 +18,21 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from lockstep.managers.generate_request import SamplingParamsModel, SingleGenerateReq
-from lockstep.managers.io_struct import (
+from lockstep.core import (
     FINISH_ABORT,
     FINISH_MATCHED_STR,
-    AbortReq,
     BaseFinishReason,
+    SamplingParams,
+    TokenLogprob,
+)
+from lockstep.entrypoints.generate_request import SamplingParamsModel, SingleGenerateReq
+from lockstep.messages import (
+    AbortReq,
     BatchStrOut,
     FlushCacheOut,
     FlushCacheReq,
     ReqOutput,
-    SamplingParams,
     TokenizedGenerateReq,
-    TokenLogprob,
     decode,
     encode,
 )

@@ -12,8 +12,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from lockstep.managers.io_struct import ReqOutput
-from lockstep.managers.tokenizer_manager import ReqState, TokenizerManager
+from lockstep.entrypoints.tokenizer_manager import ReqState, TokenizerManager
+from lockstep.messages import ReqOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # the *_created series only double the scrape

@@ -15,7 +15,7 @@ from typing import Any
 
 import jinja2
 
-from lockstep.entrypoints.builtin_chat_templates import BUILTIN_CHAT_TEMPLATES
+from lockstep.entrypoints.openai.builtin_chat_templates import BUILTIN_CHAT_TEMPLATES
 
 
 class ChatTemplateError(ValueError):

@@ -16,13 +16,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lockstep.entrypoints.chat_templates import (
+from lockstep.core import TokenLogprob
+from lockstep.entrypoints.fanout import Fanout, check_fanout, run_to_completion, start_stream
+from lockstep.entrypoints.generate_request import GenerateReqInput, SingleGenerateReq
+from lockstep.entrypoints.openai.chat_templates import (
     ChatTemplateError,
     render_chat,
     resolve_chat_template,
 )
-from lockstep.entrypoints.fanout import Fanout, check_fanout, run_to_completion, start_stream
-from lockstep.entrypoints.protocol import (
+from lockstep.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -42,7 +44,7 @@ from lockstep.entrypoints.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from lockstep.entrypoints.tool_calls import (
+from lockstep.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolPlan,
     ToolRequestError,
@@ -51,10 +53,8 @@ from lockstep.entrypoints.tool_calls import (
     plan_tools,
     template_message,
 )
+from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.function_call import default_parser_name
-from lockstep.managers.generate_request import GenerateReqInput, SingleGenerateReq
-from lockstep.managers.io_struct import TokenLogprob
-from lockstep.managers.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, json_response, sse

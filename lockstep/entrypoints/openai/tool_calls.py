@@ -18,7 +18,7 @@ from typing import Any, Literal
 import jsonschema_rs
 
 from lockstep.constrained import Constraint, ConstraintError, validate_constraint
-from lockstep.entrypoints.protocol import (
+from lockstep.entrypoints.openai.protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,

@@ -11,15 +11,9 @@ from typing import Any
 
 import zmq
 
-from lockstep.managers.incremental_detokenizer import IncrementalDetokenizer
-from lockstep.managers.io_struct import (
-    FINISH_MATCHED_STR,
-    BatchStrOut,
-    BatchTokenIDOut,
-    ReqOutput,
-    decode,
-    encode,
-)
+from lockstep.core import FINISH_MATCHED_STR
+from lockstep.detokenizer.incremental_detokenizer import IncrementalDetokenizer
+from lockstep.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, decode, encode
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
 

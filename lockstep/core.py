@@ -1,11 +1,95 @@
-"""What one forward pass needs: flat tokens of the whole batch plus a per-request descriptor."""
+"""The shapes every stage shares, at the bottom of the package: a generated token with its
+logprob, the finish reasons, the sampling parameters (one type from the HTTP edge to the sampler),
+and the forward batch the model worker runs. Imports nothing of lockstep's own above it except the
+grammar constraint a request carries."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, ClassVar, NamedTuple
 
 import torch
+
+from lockstep.constrained import Constraint
+
+
+class TokenLogprob(NamedTuple):
+    logprob: float | None  # None for a prompt's first token, which nothing predicts
+    token_id: int
+    text: str | None = None  # filled in by the tokenizer manager when the client asks for text
+
+
+# ---- finish reasons (SGLang's FINISH_* classes); `to_json()` only at the HTTP/Engine edge
+
+
+@dataclass(frozen=True)
+class BaseFinishReason:
+    type: ClassVar[str]  # OpenAI's finish_reason: "stop", "length" or "abort"
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        return {"type": self.type, **fields}
+
+
+@dataclass(frozen=True)
+class FINISH_MATCHED_TOKEN(BaseFinishReason):  # noqa: N801 - SGLang's names
+    matched: int  # a stop token id or an end-of-sequence token
+    type: ClassVar[str] = "stop"
+
+
+@dataclass(frozen=True)
+class FINISH_MATCHED_STR(BaseFinishReason):  # noqa: N801
+    matched: str  # a stop string (the detokenizer finds those)
+    type: ClassVar[str] = "stop"
+
+
+@dataclass(frozen=True)
+class FINISH_LENGTH(BaseFinishReason):  # noqa: N801
+    length: int
+    type: ClassVar[str] = "length"
+
+
+@dataclass(frozen=True)
+class FINISH_ABORT(BaseFinishReason):  # noqa: N801
+    """By the client, the server shutting down, or a request that can never run: then
+    `status_code` is the HTTP status the client gets."""
+
+    message: str = "aborted"
+    status_code: int | None = None
+    type: ClassVar[str] = "abort"
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    # Generation stops when the output text matches one of these (Python `re`, searched).
+    stop_regex: list[str] = field(default_factory=list)
+    # At most one; checked in the front process (lockstep.constrained.validate_constraint).
+    constraint: Constraint | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0 or self.top_k == 1
+
+
+# ---- the forward batch: flat tokens of the whole batch plus a per-request descriptor
 
 
 class ForwardMode(Enum):

@@ -1,5 +1,5 @@
 """Request and response models of OpenAI's API (SGLang's native /generate body lives with the
-managers: `lockstep.managers.generate_request`).
+managers: `lockstep.entrypoints.generate_request`).
 
 Every request model forbids unknown fields and declares its constraints as types (`Literal`,
 `Field` bounds, shape-discriminated unions), so FastAPI validates them and /openapi.json states
@@ -20,7 +20,7 @@ from lockstep.constrained.constraint import (
     json_object_constraint,
     json_schema_constraint,
 )
-from lockstep.managers.generate_request import (
+from lockstep.entrypoints.generate_request import (
     INT32_MAX,
     MAX_N,
     NonEmptyStr,
@@ -34,7 +34,7 @@ from lockstep.managers.generate_request import (
     shaped,
     str_or_list,
 )
-from lockstep.managers.tokenizer_manager import RequestError
+from lockstep.entrypoints.tokenizer_manager import RequestError
 
 
 def _prompt_shape(v: Any) -> str | None:
@@ -211,7 +211,7 @@ ContentInput = shaped(
 class FunctionDefinition(StrictModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
     description: str | None = None
-    # A JSON Schema for the arguments object (checked as one in lockstep.entrypoints.tool_calls).
+    # A JSON Schema for the arguments object (checked as one in lockstep.entrypoints.openai.tool_calls).
     parameters: dict[str, Any] | None = None
     # Strict schemas are not enforced under "auto"; "required" or a named function forces them.
     strict: Literal[False] | None = None
@@ -282,7 +282,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Checked together, against the server's tool-call parser, in lockstep.entrypoints.tool_calls.
+    # Checked together, against the server's tool-call parser, in lockstep.entrypoints.openai.tool_calls.
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

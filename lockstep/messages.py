@@ -1,0 +1,93 @@
+"""The wire messages between processes, grouped by direction, and the one serializer they all
+go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq; scheduler ->
+detokenizer: BatchTokenIDOut (and FlushCacheOut, passed through); detokenizer -> front:
+BatchStrOut; scheduler -> DP controller: LoadReport."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from lockstep.core import FINISH_ABORT, BaseFinishReason, SamplingParams, TokenLogprob
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    input_text: str | None = None
+
+
+@dataclass
+class AbortReq:
+    """Stop a request and free its KV: a client gone, a stop string the detokenizer matched (the
+    client already has its finish), or the server shutting down (`reason` says why)."""
+
+    rid: str
+    reason: FINISH_ABORT = FINISH_ABORT()
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheOut:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class ReqOutput:
+    """One request's progress since the last message: new tokens, and the finish if any."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: BaseFinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    dp_rank: int = 0  # which data-parallel replica served it
+    # The detokenizer needs the stop strings and special-token settings (first output only).
+    sampling_params: SamplingParams | None = None
+    # The detokenizer's: the text these tokens add (a stop string it matched sets the finish).
+    text_delta: str = ""
+
+
+@dataclass
+class BatchTokenIDOut:
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class BatchStrOut:
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class LoadReport:
+    """Sent by a replica's scheduler to the DP controller."""
+
+    dp_rank: int
+    running: int
+    queued: int
+    tokens_in_use: int
+
+
+def encode(msg: Any) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)
