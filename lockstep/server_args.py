@@ -27,11 +27,14 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cach
 
 
 def arg(default: Any, help: str, group: str, *, choices: Sequence[str] | None = None,
-        aliases: dict[str, Any] | None = None) -> Any:
-    """A ServerArgs field and its command-line flag: help text, --help group, choices, and
-    other flags that set it to a fixed value (SGLang's spellings)."""
+        aliases: dict[str, Any] | None = None, min: float | None = None,
+        secret: bool = False) -> Any:
+    """A ServerArgs field and its command-line flag: help text, --help group, choices, other
+    flags that set it to a fixed value (SGLang's spellings), the least value accepted (None
+    always is), and whether /get_server_info must hide it."""
     return field(default=default, metadata={"help": help, "group": group, "choices": choices,
-                                            "aliases": aliases or {}})
+                                            "aliases": aliases or {}, "min": min,
+                                            "secret": secret})
 
 
 @dataclass(frozen=True)
@@ -68,28 +71,31 @@ class ServerArgs:
     context_length: int | None = arg(None, "Override the model's.", "model")
     host: str = arg("127.0.0.1", "Address to listen on.", "server")
     port: int = arg(30000, "Port to listen on.", "server")
-    api_key: str | None = arg(None, "Bearer key required on every route but /health.", "server")
+    api_key: str | None = arg(None, "Bearer key required on every route but /health.", "server",
+                               secret=True)
     log_level: str = arg("info", "Log level of every process.", "server",
                          choices=["debug", "info", "warning", "error"])
     incremental_streaming_output: bool = arg(
         False, "Stream only the new text in each /generate event.", "server")
     graceful_shutdown_timeout: float = arg(
         20.0, "On SIGTERM: refuse new requests (503) and let running ones finish for up to this "
-              "many seconds, then abort the rest and exit.", "server")
+              "many seconds, then abort the rest and exit.", "server", min=0)
     max_request_body_bytes: int = arg(
-        32 * 1024 * 1024, "Largest request body accepted; larger get 413.", "server")
+        32 * 1024 * 1024, "Largest request body accepted; larger get 413.", "server",
+        min=1)
     max_prompt_tokens: int | None = arg(
-        None, "Longest prompt accepted, in tokens (default: the context length - 1).", "server")
+        None, "Longest prompt accepted, in tokens (default: the context length - 1).", "server",
+        min=1)
     max_batch_size: int = arg(
         1024, "Most generations one HTTP request may fan out into (prompts x n); more get 400.",
-        "server")
+        "server", min=1)
     max_total_tokens: int | None = arg(None, "KV pool size in tokens.", "memory")
     mem_fraction_static: float = arg(
         0.2, "Share of free memory for the KV pool when --max-total-tokens is unset.", "memory")
-    max_running_requests: int = arg(64, "Most requests decoding at once.", "memory")
+    max_running_requests: int = arg(64, "Most requests decoding at once.", "memory", min=1)
     max_queued_requests: int | None = arg(
         None, "Most requests waiting beyond the running ones; past it a 503 with Retry-After.",
-        "memory")
+        "memory", min=0)
     schedule_policy: str = arg(
         "fcfs", "Order in which waiting requests are admitted (lpm: longest prefix match).",
         "scheduling", choices=list(SCHEDULE_POLICIES))
@@ -114,15 +120,15 @@ class ServerArgs:
     watchdog_timeout: float = arg(
         300.0, "Seconds a scheduler may hold work without finishing a step before it dumps "
                "every thread's stack to the log and brings the server down (0 = off).",
-        "scheduling")
-    tp_size: int = arg(1, "Tensor-parallel ranks per replica.", "parallelism")
-    pp_size: int = arg(1, "Pipeline stages per replica.", "parallelism")
+        "scheduling", min=0)
+    tp_size: int = arg(1, "Tensor-parallel ranks per replica.", "parallelism", min=1)
+    pp_size: int = arg(1, "Pipeline stages per replica.", "parallelism", min=1)
     pp_micro_batches: int | None = arg(
         None, "With --pp-size > 1: split each batch by requests into up to this many "
               "micro-batches that the stages work on at once (1: one batch at a time). "
               "Default: --pp-size on cuda, 1 on cpu, where splitting measured 6-13%% slower "
-              "(docs/benchmarks.md).", "parallelism")
-    dp_size: int = arg(1, "Data-parallel replicas.", "parallelism")
+              "(docs/benchmarks.md).", "parallelism", min=1)
+    dp_size: int = arg(1, "Data-parallel replicas.", "parallelism", min=1)
     load_balance_method: str = arg(
         "round_robin", "How the data-parallel controller picks a replica.", "parallelism",
         choices=list(LOAD_BALANCE_METHODS))
@@ -133,19 +139,16 @@ class ServerArgs:
         "parallelism")
     dp_balance_rel_threshold: float = arg(
         1.0001, "cache_aware: ... and the max/min load ratio past which it wins.", "parallelism")
-    nnodes: int = arg(1, "Number of machines.", "parallelism")
+    nnodes: int = arg(1, "Number of machines.", "parallelism", min=1)
     node_rank: int = arg(0, "This machine's rank among --nnodes.", "parallelism")
     dist_init_addr: str | None = arg(
         None, "HOST:PORT of node 0 for torch.distributed.", "parallelism")
 
     def __post_init__(self) -> None:
-        problems = []
-        for name in ("tp_size", "pp_size", "dp_size", "nnodes", "max_running_requests",
-                     "max_request_body_bytes", "max_batch_size"):
-            if getattr(self, name) < 1:
-                problems.append(f"--{name.replace('_', '-')} must be >= 1")
-        if self.pp_micro_batches is not None and self.pp_micro_batches < 1:
-            problems.append("--pp-micro-batches must be >= 1")
+        problems = [f"--{f.name.replace('_', '-')} must be >= {f.metadata['min']}"
+                    for f in fields(self) if f.metadata["min"] is not None
+                    and getattr(self, f.name) is not None
+                    and getattr(self, f.name) < f.metadata["min"]]
         if self.node_rank >= self.nnodes or self.node_rank < 0:
             problems.append("--node-rank must be in [0, nnodes)")
         if (self.tp_size * self.pp_size) % self.nnodes:
@@ -154,12 +157,6 @@ class ServerArgs:
             problems.append("--dp-size > 1 runs on one node; use the router across nodes")
         if self.nnodes > 1 and not self.dist_init_addr:
             problems.append("--dist-init-addr is required with --nnodes > 1")
-        for name in ("watchdog_timeout", "graceful_shutdown_timeout", "max_queued_requests"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                problems.append(f"--{name.replace('_', '-')} must be >= 0")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            problems.append("--max-prompt-tokens must be >= 1")
         problems += quantization_problems(self.quantization, self.device, self.dtype)
         problems += int8_activation_problems(self.int8_activations, self.device, self.dtype,
                                              self.quantization)
@@ -185,6 +182,11 @@ class ServerArgs:
         if self.pp_size > 1 or self.enable_overlap_schedule is False:
             return False
         return self.device == "cuda" or bool(self.enable_overlap_schedule)
+
+    def info(self) -> dict[str, Any]:
+        """Every field for /get_server_info and Engine.get_server_info, secrets redacted."""
+        return {f.name: "<redacted>" if f.metadata["secret"] and getattr(self, f.name)
+                else getattr(self, f.name) for f in fields(self)}
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

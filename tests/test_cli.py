@@ -47,7 +47,17 @@ def test_sglangs_flag_names_and_both_senses_of_booleans():
 def test_bad_values_exit_with_a_message_naming_the_problem(capsys):
     for argv, needle in ((["--quantization", "int3"], "invalid choice: 'int3'"),
                          (["--port", "http"], "invalid int value"),
-                         (["--tp-size", "0"], "--tp-size must be >= 1")):
+                         (["--tp-size", "0"], "--tp-size must be >= 1"),
+                         (["--pp-micro-batches", "0"], "--pp-micro-batches must be >= 1"),
+                         (["--graceful-shutdown-timeout", "-1"],
+                          "--graceful-shutdown-timeout must be >= 0")):
         with pytest.raises(SystemExit) as e:
             _parse(*argv)
         assert e.value.code == 2 and needle in capsys.readouterr().err, argv
+
+
+def test_server_info_lists_every_field_and_hides_the_api_key():
+    info = _parse("--api-key", "sk-secret", "--port", "8000").info()
+    assert set(info) == {f.name for f in dataclasses.fields(ServerArgs)}
+    assert info["api_key"] == "<redacted>" and info["port"] == 8000
+    assert ServerArgs().info()["api_key"] is None  # nothing to hide: shown as unset

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -378,7 +377,7 @@ class Engine:
         return self._call(self.tokenizer_manager.flush_cache()).success
 
     def get_server_info(self) -> dict[str, Any]:
-        info = dataclasses.asdict(self.server_args)
+        info = self.server_args.info()
         info.update(max_total_num_tokens=self.tokenizer_manager.max_total_num_tokens,
                     context_len=self.tokenizer_manager.context_len,
                     num_running_requests=self.tokenizer_manager.num_running)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -169,9 +168,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
 
     @app.get("/get_server_info")
     async def get_server_info() -> Response:
-        info = dataclasses.asdict(args)
-        if info.get("api_key"):
-            info["api_key"] = "<redacted>"
+        info = args.info()
         info.update(
             version=__version__, max_total_num_tokens=tm.max_total_num_tokens,
             context_len=tm.context_len, vocab_size=tm.vocab_size,
