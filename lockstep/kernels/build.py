@@ -1,15 +1,14 @@
 """Building and loading the compiled kernels: one C++ source, an AVX2 and an AVX-512 variant.
 
 Each variant compiles on first use with torch.utils.cpp_extension into
-`<cache>/kernels/<hash of source, flags, torch version and variant>/` (cache: $LOCKSTEP_CACHE_DIR or
-~/.cache/lockstep), under a file lock, so two processes starting together (TP ranks) build it once.
+`<cache>/kernels/<hash of source, flags, torch version and variant>/` (cache: lockstep.utils.cache),
+under a file lock, so two processes starting together (TP ranks) build it once.
 Which variant serves is decided once per process from the CPU's flags, or forced with
 LOCKSTEP_KERNEL_ISA=avx2|avx512|torch. A failed build is logged once, with why, and the torch reference serves.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -22,6 +21,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from lockstep.utils.cache import cache_dir, cache_lock
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +74,6 @@ def missing_flags(variant: str) -> list[str]:
     return [f for f in needed if f not in cpu_flags()]
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("LOCKSTEP_CACHE_DIR")
-    return (Path(env) if env else Path.home() / ".cache" / "lockstep") / "kernels"
-
-
 def _build_dir(variant: str) -> tuple[str, Path]:
     key = hashlib.sha256()
     sources = sorted(f for f in SOURCE.parent.iterdir() if f.suffix in (".cpp", ".h"))
@@ -86,7 +82,7 @@ def _build_dir(variant: str) -> tuple[str, Path]:
         key.update(part)
         key.update(b"\0")
     digest = key.hexdigest()[:16]
-    return f"lockstep_kernels_{variant}_{digest}", _cache_root() / f"{variant}-{digest}"
+    return f"lockstep_kernels_{variant}_{digest}", cache_dir("kernels", f"{variant}-{digest}")
 
 
 def _ensure_ninja_on_path() -> None:
@@ -118,9 +114,7 @@ def load_variant(variant: str) -> ModuleType:
     done = build_dir / "built"  # written after a complete build: a killed link leaves no usable-looking .so
     build_dir.mkdir(parents=True, exist_ok=True)
     if not done.exists():
-        # flock, released by the kernel if the holder dies, so a crashed build never wedges the next one
-        with open(build_dir / "build.flock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with cache_lock(build_dir / "build.flock"):
             if not done.exists():
                 module = _compile(variant, name, build_dir)
                 done.write_text(torch.__version__)

@@ -17,16 +17,16 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lockstep.model_loader.layout import TENSOR_INDEX, ModelLoadError
+from lockstep.utils.cache import cache_dir as lockstep_cache_dir
+from lockstep.utils.cache import cache_lock
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "LOCKSTEP_CACHE_DIR"
 # Bump when the conversion output changes, so caches written by older code get rebuilt.
 CONVERSION_FORMAT = 2
 # Format 1 wrote float32 safetensors into <sha256[:16]>/; this one keeps the GGUF's blocks.
@@ -52,11 +52,6 @@ class ModelSource:
     gguf_file: Path | None = None
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "lockstep"
-
-
 def resolve_model(model_path: str | None, cache_dir: Path | None = None) -> ModelSource:
     """Validated HF-format source for `model_path` (None: the bundled Gemma 3 270M GGUF)."""
     start = time.perf_counter()
@@ -76,7 +71,7 @@ def resolve_model(model_path: str | None, cache_dir: Path | None = None) -> Mode
         return source
     if path.suffix.lower() != ".gguf" and _read_head(path, 4) != _GGUF_MAGIC:
         raise ModelLoadError(f"{path}: neither a .gguf file nor an HF model directory")
-    return _resolve_gguf(path, origin, Path(cache_dir) if cache_dir else default_cache_dir(), start)
+    return _resolve_gguf(path, origin, Path(cache_dir) if cache_dir else lockstep_cache_dir(), start)
 
 
 def _default_gguf() -> Path:
@@ -100,11 +95,11 @@ def _resolve_gguf(path: Path, origin: str, cache_dir: Path, start: float) -> Mod
         elapsed = time.perf_counter() - start
         logger.info("%s: loaded from cache in %.2f s (%s)", path, elapsed, target)
         return cached
-    with _locked(cache_dir / f".{target.name}.lock") as exclusive:
+    with cache_lock(cache_dir / f".{target.name}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
         cached = _load_cached(target, origin, path)
         if cached is None:
-            _convert_into(path, digest, target, clean_stale=exclusive)
+            _convert_into(path, digest, target)
     if cached is not None:
         elapsed = time.perf_counter() - start
         logger.info("%s: loaded from cache in %.2f s (%s)", path, elapsed, target)
@@ -136,13 +131,13 @@ def _load_converted(target: Path, origin: str, gguf_path: Path) -> ModelSource:
     return _describe_dir(target, origin, (), gguf_path)
 
 
-def _convert_into(path: Path, digest: str, target: Path, clean_stale: bool) -> None:
+def _convert_into(path: Path, digest: str, target: Path) -> None:
     # Imported here: gguf + transformers cost seconds and only a first conversion needs them.
     import lockstep.model_loader.gguf_loader as gguf_loader
 
     cache_dir = target.parent
     # Left by a crashed conversion; only safe to delete while we hold the lock.
-    for stale in cache_dir.glob(f".{target.name}.tmp-*") if clean_stale else ():
+    for stale in cache_dir.glob(f".{target.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_dir))
     try:
@@ -163,26 +158,6 @@ def _convert_into(path: Path, digest: str, target: Path, clean_stale: bool) -> N
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[bool]:
-    """Serialize conversions of one file across processes (peer schedulers start together).
-
-    Yields whether the lock is real; without fcntl (Windows) the atomic rename alone still keeps
-    the cache consistent, at the price of possibly converting twice.
-    """
-    try:
-        import fcntl
-    except ImportError:
-        yield False
-        return
-    with open(lock_path, "a+b") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield True
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _content_sha256(path: Path, cache_dir: Path) -> str:

@@ -5,7 +5,7 @@ Nothing is downloaded. A small byte-level BPE tokenizer is trained on the built-
 transformers' own model class, so that HF transformers can serve as the correctness oracle for the
 serving path (see ``lockstep.testing.oracle``).
 
-Everything is cached under ``$LOCKSTEP_CACHE_DIR/tiny`` (default ``~/.cache/lockstep/tiny``) in
+Everything is cached under ``<lockstep cache>/tiny`` (lockstep.utils.cache) in
 directories keyed by ``TINY_VERSION`` (and, for models, by arch / seed / dtype / overrides).
 Directories are published by an atomic rename, so concurrent test processes may race safely.
 
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lockstep.testing.corpus import corpus_text
+from lockstep.utils.cache import cache_dir
 
 # Bump whenever the corpus, the tokenizer recipe or any tiny config / init changes.
 TINY_VERSION = "v3"
@@ -75,11 +76,8 @@ GEMMA3_SLIDING_WINDOW = 32
 
 
 def tiny_cache_dir(cache_root: Path | None = None) -> Path:
-    """``cache_root/tiny`` or ``$LOCKSTEP_CACHE_DIR/tiny`` or ``~/.cache/lockstep/tiny``."""
-    if cache_root is None:
-        env = os.environ.get("LOCKSTEP_CACHE_DIR")
-        cache_root = Path(env) if env else Path.home() / ".cache" / "lockstep"
-    return Path(cache_root) / "tiny"
+    """``cache_root/tiny``, by default under lockstep's cache (lockstep.utils.cache)."""
+    return Path(cache_root) / "tiny" if cache_root else cache_dir("tiny")
 
 
 def _publish(final: Path, build: Callable[[Path], None]) -> Path:
