@@ -43,7 +43,8 @@ class Constraint:
                 schema = json.loads(self.text)
                 if not isinstance(schema, (dict, bool)):
                     raise ConstraintError("json_schema must be a JSON object (a JSON Schema)")
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                return llguidance.LLMatcher.grammar_from_json_schema(strict_schema(schema),
+                                                                     defaults=JSON_OPTIONS)
             return llguidance.grammar_from("gbnf", self.text)
         except ConstraintError:
             raise
@@ -51,6 +52,53 @@ class Constraint:
             raise ConstraintError(f"json_schema is not valid JSON: {e}") from None
         except ValueError as e:
             raise ConstraintError(f"invalid {self.kind}: {_one_line(str(e))}") from None
+
+
+# Keys that do not change what a schema admits (xgrammar skips the same ones when it decides
+# whether a schema is the bare {"type": "object"}).
+_ANNOTATIONS = frozenset({"title", "default", "description", "examples", "deprecated",
+                          "readOnly", "writeOnly", "$comment", "$schema"})
+# Where subschemas sit that stand for values of their own. Not `not`, `if`, `allOf` or
+# `contains`: closing an object there would change what the whole schema admits.
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("additionalProperties", "items", "then", "else")
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` as SGLang's default backend (xgrammar, strict_mode=True) reads it: an object
+    schema that says nothing about additionalProperties admits only its declared keys, and a
+    prefixItems tuple without `items` no further items. Without this, a small model keeps
+    inventing keys for a pydantic schema until max_tokens (instructor's
+    IncompleteOutputException). The bare {"type": "object"} (json_object) stays any object.
+    llguidance has no option for this (its JsonCompileOptions are separators, whitespace,
+    coerce_one_of and lenient), nor unevaluatedProperties/-Items, read here as
+    additionalProperties/items where those are absent. The input is not modified."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for uneval, plain in (("unevaluatedProperties", "additionalProperties"),
+                          ("unevaluatedItems", "items")):
+        if uneval in out and plain not in out:
+            out[plain] = out.pop(uneval)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(sub) for sub in out[key]]
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = strict_schema(out[key])
+    types = out.get("type")
+    is_object = ("object" in types if isinstance(types, list) else types == "object") or (
+        types is None and "properties" in out)
+    if (is_object and "additionalProperties" not in out
+            and set(out) - _ANNOTATIONS != {"type"}):
+        out["additionalProperties"] = False
+    if "prefixItems" in out and "items" not in out:
+        out["items"] = False
+    return out
 
 
 def validate_constraint(c: Constraint) -> None:

@@ -93,6 +93,12 @@ class JsonSchemaSpec(StrictModel):
     # The schema is always enforced: strict false (best effort) gets the same guarantee.
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _schema_required(self) -> JsonSchemaSpec:
+        if self.schema_ is None:  # SGLang 0.5 refuses it too; it used to mean any object here
+            raise ValueError("schema is required for json_schema response format request")
+        return self
+
 
 class JsonSchemaResponseFormat(StrictModel):
     type: Literal["json_schema"]
@@ -136,8 +142,7 @@ class _OpenAIRequest(StrictModel):
     def _json_schema(self) -> str | None:
         """The JSON schema constraint's text, from response_format."""
         fmt = self.response_format
-        if isinstance(fmt, JsonObjectResponseFormat) or (
-                isinstance(fmt, JsonSchemaResponseFormat) and fmt.json_schema.schema_ is None):
+        if isinstance(fmt, JsonObjectResponseFormat):
             return json_object_constraint().text
         if isinstance(fmt, JsonSchemaResponseFormat):
             return json_schema_constraint(fmt.json_schema.schema_).text
