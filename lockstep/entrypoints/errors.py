@@ -11,7 +11,7 @@ import pydantic
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from lockstep.entrypoints.generate_request import UNION_TAGS
@@ -19,10 +19,6 @@ from lockstep.entrypoints.tokenizer_manager import RequestError
 from lockstep.utils.http import error_response
 
 logger = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its (non-streaming) response was ready."""
 
 
 _MESSAGES: dict[str, str] = {
@@ -146,8 +142,8 @@ def install_error_handlers(app: FastAPI) -> None:
         resp.headers.update(exc.headers)
         return resp
 
-    @app.exception_handler(ClientGone)
-    async def _client_gone(_req: Request, _exc: ClientGone) -> Response:
+    @app.exception_handler(ClientDisconnect)  # before its (non-streamed) response was ready
+    async def _client_gone(_req: Request, _exc: ClientDisconnect) -> Response:
         return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)

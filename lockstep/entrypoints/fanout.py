@@ -15,10 +15,9 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from lockstep.core import FINISH_ABORT
-from lockstep.entrypoints.errors import ClientGone
 from lockstep.entrypoints.generate_request import GenerateReqInput, SingleGenerateReq
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
-from lockstep.utils.asgi import wait_disconnect
+from lockstep.utils.asgi import unless_disconnected
 
 
 def abort_error(item: GenerateOutput) -> RequestError | None:
@@ -33,9 +32,8 @@ class Fanout:
     """Runs single requests concurrently; `items()` yields (index, output) in arrival order.
 
     Call `start()` first: it returns once every request has produced its first output and
-    raises RequestError if any was refused. With `request`, a client disconnect while waiting
-    raises ClientGone. Always `close()` it (also safe inside a cancelled task): requests still
-    running are aborted."""
+    raises RequestError if any was refused. Always `close()` it (also safe inside a cancelled
+    task): requests still running are aborted."""
 
     def __init__(self, tm: TokenizerManager, singles: list[SingleGenerateReq]) -> None:
         self.tm = tm
@@ -44,7 +42,6 @@ class Fanout:
         self.tasks: list[asyncio.Task] = []
         self.buffer: list[tuple[int, GenerateOutput]] = []
         self.open = len(singles)
-        self.watcher: asyncio.Future | None = None
 
     async def _pump(self, index: int, single: SingleGenerateReq) -> None:
         try:
@@ -58,15 +55,13 @@ class Fanout:
             return
         self.queue.put_nowait((index, None, None))
 
-    async def start(self, request: Request | None = None, keep_watching: bool = False) -> None:
+    async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._pump(i, s)) for i, s in enumerate(self.singles)]
-        if request is not None:
-            self.watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         waiting = set(range(len(self.singles)))
         try:
             while waiting:
-                index, item, err = await self._get()
+                index, item, err = await self.queue.get()
                 if err is not None:
                     raise err
                 if item is None:  # ended without output: cannot happen, but never hang on it
@@ -81,29 +76,13 @@ class Fanout:
         except BaseException:
             self.close()
             raise
-        if not keep_watching and self.watcher is not None:
-            self.watcher.cancel()
-            self.watcher = None
-
-    async def _get(self) -> tuple[int, GenerateOutput | None, BaseException | None]:
-        if self.watcher is None:
-            return await self.queue.get()
-        getter = asyncio.ensure_future(self.queue.get())
-        try:
-            await asyncio.wait({getter, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not getter.done():
-                getter.cancel()
-        if getter.done() and not getter.cancelled():
-            return getter.result()
-        raise ClientGone()
 
     async def items(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
         buffered, self.buffer = self.buffer, []
         for entry in buffered:
             yield entry
         while self.open:
-            index, item, err = await self._get()
+            index, item, err = await self.queue.get()
             if err is not None:
                 raise err
             if item is None:
@@ -125,9 +104,6 @@ class Fanout:
         for task in self.tasks:
             if not task.done():
                 task.cancel()
-        if self.watcher is not None:
-            self.watcher.cancel()
-            self.watcher = None
 
 
 def check_fanout(gen_in: GenerateReqInput, limit: int) -> None:
@@ -143,11 +119,15 @@ def check_fanout(gen_in: GenerateReqInput, limit: int) -> None:
 async def run_to_completion(tm: TokenizerManager, singles: list[SingleGenerateReq],
                             request: Request | None) -> list[GenerateOutput]:
     """Non-streaming: every request's final output; a refused request raises RequestError, a
-    disconnected client raises ClientGone (its requests are aborted)."""
+    disconnected client raises starlette's ClientDisconnect (its requests are aborted)."""
     fan = Fanout(tm, singles)
+
+    async def run() -> list[GenerateOutput]:
+        await fan.start()
+        return await fan.collect()
+
     try:
-        await fan.start(request, keep_watching=True)
-        finals = await fan.collect()
+        finals = await (unless_disconnected(request.receive, run()) if request else run())
     finally:
         fan.close()
     for item in finals:
@@ -161,5 +141,5 @@ async def start_stream(tm: TokenizerManager, singles: list[SingleGenerateReq],
                        request: Request | None) -> Fanout:
     """Streaming: a started Fanout (errors are raised here, before any byte is sent)."""
     fan = Fanout(tm, singles)
-    await fan.start(request)
+    await (unless_disconnected(request.receive, fan.start()) if request else fan.start())
     return fan

@@ -33,12 +33,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import orjson
 from starlette.responses import Response
 
 from lockstep.router.policies import Policy, make_policy
 from lockstep.utils.asgi import SSE_HEADERS, DisconnectAwareStreamingResponse
-from lockstep.utils.http import error_body, error_response
+from lockstep.utils.http import error_body, error_response, sse
 
 logger = logging.getLogger("lockstep.router")
 
@@ -321,7 +320,7 @@ class _Relay:
                            self.worker.url, e)
             sep = b"" if tail.endswith(b"\n\n") else b"\n\n"
             message = f"the worker {self.worker.url} failed mid-stream: {type(e).__name__}"
-            yield sep + b"data: " + orjson.dumps(error_body(message, 502)) + b"\n\n"
+            yield sep + sse(error_body(message, 502))
         finally:
             self.close()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import sys
@@ -12,13 +11,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import orjson
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 
 from lockstep.router.metrics import render as render_metrics
 from lockstep.router.policies import POLICIES, routing_text
 from lockstep.router.router import Router, RouterConfig, Worker, normalize_url
-from lockstep.utils.asgi import wait_disconnect
+from lockstep.utils.asgi import unless_disconnected
 from lockstep.utils.http import error_response, json_response
 
 logger = logging.getLogger("lockstep.router")
@@ -30,17 +29,10 @@ _FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-age
 
 async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
     """`work`, cancelled (the worker's request closed, so it aborts) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()  # a no-op once it is done
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
+        return await unless_disconnected(request.receive, work)
+    except ClientDisconnect:
         return Response(status_code=499)  # nobody is listening any more
-    return task.result()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,36 +1,51 @@
-"""Streaming responses that stop the moment the client disconnects."""
+"""Work that stops the moment the client disconnects: one watcher for every route and stream."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
+T = TypeVar("T")
 
-async def wait_disconnect(receive: Any) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+
+async def _wait_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Any, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientDisconnect once the client has gone: `work` is cancelled then,
+    which is what aborts the generation (or the upstream request) behind it. Watched here
+    whatever ASGI spec version the server speaks: Starlette only listens for the disconnect
+    below 2.4 and otherwise notices it on the next write, which for a queued request or a
+    non-streamed one may be minutes away while its KV stays held."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            t.cancel()  # a no-op once it is done
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
 
 
 class DisconnectAwareStreamingResponse(StreamingResponse):
-    """Cancelled as soon as the client disconnects, whatever ASGI spec version the server speaks
-    (Starlette only listens for the disconnect below 2.4, and otherwise notices it on the next
-    write, which for a queued request may be a long time away). Closing the body iterator is
-    what aborts the work behind it; `on_close` releases anything else."""
+    """A stream cancelled as soon as the client disconnects. Closing the body iterator is what
+    aborts the work behind it; `on_close` releases anything else."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        stream = asyncio.ensure_future(self._stream(send))
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
         try:
-            await asyncio.wait({stream, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            with contextlib.suppress(ClientDisconnect, OSError):  # OSError: gone mid-write
+                await unless_disconnected(receive, self.stream_response(send))
         finally:
-            for task in (stream, watcher):
-                task.cancel()
-            await asyncio.gather(stream, watcher, return_exceptions=True)
             closer = getattr(self.body_iterator, "aclose", None)
             if closer is not None:
                 with contextlib.suppress(Exception):
@@ -39,10 +54,6 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
 
     def on_close(self) -> None:
         pass
-
-    async def _stream(self, send: Any) -> None:
-        with contextlib.suppress(OSError):  # the client went away mid-write
-            await self.stream_response(send)
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+from fastapi.sse import format_sse_event
 from pydantic import BaseModel
 from starlette.responses import Response
 
@@ -50,12 +51,11 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
 
 
 def sse(data: Any) -> bytes:
-    """One server-sent event; `data` is a dict, a pydantic model, or a preformatted string."""
-    if isinstance(data, str):
-        return f"data: {data}\n\n".encode()
+    """One server-sent event (FastAPI's framing: `data: ...` and a blank line); `data` is a dict,
+    a pydantic model, or a preformatted string such as "[DONE]"."""
     if isinstance(data, BaseModel):
         data = data.model_dump()
-    return b"data: " + dumps(data) + b"\n\n"
+    return format_sse_event(data_str=data if isinstance(data, str) else dumps(data).decode())
 
 
 SSE_DONE = sse("[DONE]")
