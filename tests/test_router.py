@@ -276,7 +276,7 @@ def test_cache_aware_affinity(servers, make_router):
     assert final[home] == after[home]
     assert sum(final.values()) - sum(after.values()) == 3
     # The workers' own metrics agree: one of them saw the shared prefix as cached tokens.
-    assert max(_metric(url, "lockstep:cached_tokens") for url in (a, b)) > 0
+    assert max(_metric(url, "sglang:cached_tokens_total") for url in (a, b)) > 0
 
 
 def test_round_robin_alternates(servers, make_router):
@@ -362,8 +362,9 @@ def test_streaming_passes_chunk_by_chunk(servers, make_router):
 
 
 def _metric(url: str, name: str) -> float:
+    """A worker's counter, summed over its label sets."""
     text = requests.get(url + "/metrics", timeout=10).text
-    return float(next(ln for ln in text.splitlines() if ln.startswith(name)).split()[-1])
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
 def test_client_disconnect_aborts_at_the_worker(servers, make_router):
@@ -372,7 +373,7 @@ def test_client_disconnect_aborts_at_the_worker(servers, make_router):
     worker = servers[0].url
     router = make_router([worker], "round_robin")
     long = {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}
-    generated = _metric(worker, "lockstep:generation_tokens")
+    generated = _metric(worker, "sglang:generation_tokens_total")
     with requests.post(router.url + "/generate", stream=True, timeout=60,
                        json={"text": "never finish", "stream": True, "sampling_params": long}) as r:
         next(r.iter_content(chunk_size=None))  # the first event arrived: now leave
@@ -390,7 +391,7 @@ def test_client_disconnect_aborts_at_the_worker(servers, make_router):
         assert time.monotonic() < deadline, (router.workers(), router.log()[-2000:])
         time.sleep(0.2)
     # Neither ran to its 2000 tokens: both were aborted, not finished.
-    assert _metric(worker, "lockstep:generation_tokens") - generated < 2000
+    assert _metric(worker, "sglang:generation_tokens_total") - generated < 2000
 
 
 def test_cli_entry_points():

@@ -1,4 +1,11 @@
-"""Prometheus metrics of the front process, fed by the TokenizerManager's observer hook."""
+"""Prometheus metrics of the front process, fed by the TokenizerManager's observer hook.
+
+Figures SGLang 0.5 also reports carry its names, label sets and histogram buckets
+(srt/observability/metrics_collector.py), so its Grafana dashboards and alerts work unchanged;
+lockstep-only figures are named lockstep:*. The scheduler's figures (running, queued, KV usage,
+cache hit rate) carry SGLang's scheduler labels with rank 0: every rank of a lockstep replica
+holds the same scheduler state, and with several replicas the figure is their sum.
+"""
 
 from __future__ import annotations
 
@@ -12,81 +19,112 @@ from prometheus_client import (
     generate_latest,
 )
 
+from lockstep.core import FINISH_ABORT
 from lockstep.entrypoints.tokenizer_manager import ReqState, TokenizerManager
 from lockstep.messages import ReqOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # the *_created series only double the scrape
 
+# SGLang's default buckets.
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+E2E_BUCKETS = TTFT_BUCKETS + (600, 1200, 1800, 2400)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040,
+               0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
+
 
 class Metrics:
-    """Prometheus metrics fed by the tokenizer manager's observer hook, plus gauges read at
-    scrape time. Queued = admitted to the server but no token yet; KV usage counts the prompt and
-    output tokens of live requests against the pool (the prefix cache's idle entries excluded)."""
+    """Counters and histograms fed per output, gauges read at scrape time. Queued = admitted
+    but no token yet; token_usage counts the prompt and output tokens of live requests against
+    the KV pool (the prefix cache's idle entries excluded)."""
 
     def __init__(self, tm: TokenizerManager, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        reg, labels = self.registry, ["model_name"]
-        self.labels = {"model_name": model_name}
-        self.prompt_tokens = Counter("lockstep:prompt_tokens", "Prompt tokens processed.",
-                                     labels, registry=reg).labels(**self.labels)
-        self.generation_tokens = Counter("lockstep:generation_tokens", "Tokens generated.",
-                                         labels, registry=reg).labels(**self.labels)
-        self.cached_tokens = Counter("lockstep:cached_tokens",
-                                     "Prompt tokens served from the prefix cache.",
-                                     labels, registry=reg).labels(**self.labels)
-        self.requests = Counter("lockstep:num_requests", "Finished requests by finish reason.",
-                                ["model_name", "finish_reason"], registry=reg)
-        latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                   120.0, 300.0)
-        self.ttft = Histogram("lockstep:time_to_first_token_seconds", "Time to first token.",
-                              labels, buckets=latency, registry=reg).labels(**self.labels)
-        self.itl = Histogram("lockstep:inter_token_latency_seconds",
-                             "Time between consecutive output tokens.", labels,
-                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
-                                      0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0), registry=reg
+        self.registry = reg = CollectorRegistry()
+        self.labels = {"model_name": model_name, "engine_type": "unified"}
+        names = list(self.labels)
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, names + list(extra), registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *extra: str) -> Histogram:
+            return Histogram(name, doc, names + list(extra), buckets=buckets, registry=reg)
+
+        self.prompt_tokens = counter("sglang:prompt_tokens", "Number of prefill tokens processed.",
+                                     "is_streaming")
+        self.generation_tokens = counter("sglang:generation_tokens",
+                                         "Number of generation tokens processed.", "is_streaming")
+        self.cached_tokens = counter("sglang:cached_tokens", "Number of cached prompt tokens by "
+                                     "source (device/host/storage).", "cache_source"
+                                     ).labels(cache_source="device", **self.labels)
+        self.requests = counter("sglang:num_requests", "Number of requests processed.",
+                                "is_streaming")
+        self.aborted = counter("sglang:num_aborted_requests", "Number of requests aborted."
+                               ).labels(**self.labels)
+        self.by_reason = counter("lockstep:num_requests", "Finished requests by finish reason.",
+                                 "finish_reason")
+        self.ttft = histogram("sglang:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS,
+                              "is_streaming")
+        self.itl = histogram("sglang:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS
                              ).labels(**self.labels)
-        self.e2e = Histogram("lockstep:e2e_request_latency_seconds", "End-to-end request latency.",
-                             labels, buckets=latency, registry=reg).labels(**self.labels)
+        self.tpot = histogram("sglang:request_time_per_output_token_seconds",
+                              "Per-request TPOT in seconds: (finished_time - first_token_time) "
+                              "/ (completion_tokens - 1).", ITL_BUCKETS, "is_streaming")
+        self.e2e = histogram("sglang:e2e_request_latency_seconds",
+                             "Histogram of End-to-end request latency in seconds", E2E_BUCKETS,
+                             "is_streaming")
         states = tm.states.values
         gauges = {
-            "lockstep:num_running_reqs": ("Requests generating tokens.", lambda: sum(
+            "sglang:num_running_reqs": ("The number of running requests.", lambda: sum(
                 s.first_token_time is not None for s in states())),
-            "lockstep:num_queue_reqs": ("Requests waiting for their first token.", lambda: sum(
+            "sglang:num_queue_reqs": ("The number of requests in the waiting queue.", lambda: sum(
                 s.first_token_time is None for s in states())),
-            "lockstep:token_usage": ("Share of the KV pool held by live requests.", lambda: min(
+            "sglang:token_usage": ("The token usage.", lambda: min(
                 1.0, sum(len(s.prompt_ids) + len(s.output_ids) for s in states())
                 / max(1, tm.max_total_num_tokens))),
-            "lockstep:cache_hit_rate": ("Prompt tokens served from the prefix cache / all.",
-                                        lambda: self._cached_total / max(1, self._prompt_total)),
-            "lockstep:max_total_num_tokens": ("KV pool size in tokens.",
-                                              lambda: tm.max_total_num_tokens),
+            "sglang:cache_hit_rate": ("The prefix cache hit rate.",
+                                      lambda: self._cached_total / max(1, self._prompt_total)),
+            "sglang:max_total_num_tokens": ("Maximum total number of tokens in the KV cache pool.",
+                                            lambda: tm.max_total_num_tokens),
+            "sglang:context_len": ("Maximum context length.", lambda: tm.context_len),
         }
+        ranks = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
         for name, (doc, fn) in gauges.items():
-            Gauge(name, doc, labels, registry=reg).labels(**self.labels).set_function(fn)
+            Gauge(name, doc, names + list(ranks), registry=reg
+                  ).labels(**self.labels, **ranks).set_function(fn)
         self._prompt_total = 0
         self._cached_total = 0
         tm.observers.append(self.observe)
 
     def observe(self, state: ReqState, out: ReqOutput, now: float) -> None:
         """Called with each output before the request's state takes it in."""
+        streaming = {"is_streaming": "true" if state.stream else "false", **self.labels}
         if state.outputs_seen == 0:
-            self.prompt_tokens.inc(out.prompt_tokens)
+            self.prompt_tokens.labels(**streaming).inc(out.prompt_tokens)
             self.cached_tokens.inc(out.cached_tokens)
             self._prompt_total += out.prompt_tokens
             self._cached_total += out.cached_tokens
         n = len(out.new_token_ids)
         if n:
-            self.generation_tokens.inc(n)
+            self.generation_tokens.labels(**streaming).inc(n)
             last = state.last_token_time
             if last is None:
-                self.ttft.observe(now - state.created)
+                self.ttft.labels(**streaming).observe(now - state.created)
             else:
                 for _ in range(n):
                     self.itl.observe((now - last) / n)
-        if out.finish_reason is not None:
-            self.e2e.observe(now - state.created)
-            self.requests.labels(finish_reason=out.finish_reason.type, **self.labels).inc()
+        reason = out.finish_reason
+        if reason is None:
+            return
+        self.requests.labels(**streaming).inc()
+        self.by_reason.labels(finish_reason=reason.type, **self.labels).inc()
+        self.e2e.labels(**streaming).observe(now - state.created)
+        if isinstance(reason, FINISH_ABORT):
+            self.aborted.inc()
+        elif out.completion_tokens > 1 and state.first_token_time is not None:
+            self.tpot.labels(**streaming).observe(
+                (now - state.first_token_time) / (out.completion_tokens - 1))
 
     def render(self) -> bytes:
         """The Prometheus text format (CONTENT_TYPE is its media type)."""

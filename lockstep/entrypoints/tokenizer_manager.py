@@ -62,6 +62,7 @@ TOKENIZE_OFF_LOOP_CHARS = 16_384
 class ReqState:
     rid: str
     prompt_ids: list[int]
+    stream: bool = False  # labels the metrics as SGLang's do
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -219,7 +220,7 @@ class TokenizerManager:
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in use")
-        state = ReqState(rid, ids)
+        state = ReqState(rid, ids, req.stream)
         self.states[rid] = state
         self.start()
         await self.to_scheduler.send(encode(TokenizedGenerateReq(
