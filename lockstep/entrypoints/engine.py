@@ -53,6 +53,8 @@ from lockstep.utils.process import kill_tree
 
 logger = logging.getLogger(__name__)
 
+# The name the bundled default model (no --model-path) is served under.
+DEFAULT_MODEL_NAME = "gemma-3-270m"
 
 class LaunchError(RuntimeError):
     pass
@@ -67,6 +69,18 @@ class Launched:
     info: dict[str, Any] = field(default_factory=dict)
     failed: str | None = None  # set when a child died: the server is going down (/health 503)
     _stopping: bool = False
+
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's /server_info: every server argument with the model's identity as resolved at
+        launch (a null model_path or served_model_name made SGLang's router register the server
+        as model "unknown"), and the live figures."""
+        tm = self.tokenizer_manager
+        assert tm is not None, "node 0 only"
+        info = self.args.info()
+        info.update({k: self.info[k] for k in ("model_path", "tokenizer_path", "served_model_name")})
+        info.update(max_total_num_tokens=tm.max_total_num_tokens, context_len=tm.context_len,
+                    vocab_size=tm.vocab_size, num_running_requests=tm.num_running)
+        return info
 
     def shutdown(self) -> None:
         self.kill_children()
@@ -158,8 +172,12 @@ def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
     if args.node_rank == 0:
         tokenizer = load_tokenizer(args)
         vocab = ModelConfig.from_hf(source.hf_config).vocab_size
-        launched.info.update(vocab_size=vocab, model_dir=str(source.model_dir),
-                             chat_template=source.chat_template)
+        launched.info.update(
+            vocab_size=vocab, model_dir=str(source.model_dir), chat_template=source.chat_template,
+            model_path=source.origin, tokenizer_path=args.tokenizer_path or str(source.model_dir),
+            served_model_name=args.served_model_name or args.model_path or DEFAULT_MODEL_NAME,
+            model_type=source.hf_config.get("model_type"),
+            architectures=source.hf_config.get("architectures"))
         launched.tokenizer_manager = TokenizerManager(
             args, ports, tokenizer, info["context_len"], info["max_total_num_tokens"], vocab)
     return launched
@@ -377,11 +395,7 @@ class Engine:
         return self._call(self.tokenizer_manager.flush_cache()).success
 
     def get_server_info(self) -> dict[str, Any]:
-        info = self.server_args.info()
-        info.update(max_total_num_tokens=self.tokenizer_manager.max_total_num_tokens,
-                    context_len=self.tokenizer_manager.context_len,
-                    num_running_requests=self.tokenizer_manager.num_running)
-        return info
+        return self._launched.server_info()
 
     @property
     def child_pids(self) -> list[int]:

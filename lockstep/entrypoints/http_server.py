@@ -38,6 +38,12 @@ from lockstep.entrypoints.openai.protocol import (
     CompletionRequest,
 )
 from lockstep.entrypoints.openai.serving import OpenAIServing
+from lockstep.entrypoints.openai.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
@@ -154,27 +160,24 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
                                   f"{HEALTH_GENERATE_TIMEOUT:.0f} s", 503)
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> Response:
+    # SGLang 0.5 serves both names; its router asks /server_info and /model_info first.
+    async def model_info() -> Response:
         return json_response({
-            # SGLang's frontend picks a chat template by this name, so never send null.
-            "model_path": args.model_path or openai.model_name,
-            "served_model_name": openai.model_name,
-            "tokenizer_path": args.tokenizer_path or launched.info.get("model_dir"),
-            "model_dir": launched.info.get("model_dir"), "is_generation": True,
-            "context_len": tm.context_len, "vocab_size": tm.vocab_size,
+            **{k: launched.info[k] for k in (
+                "model_path", "served_model_name", "tokenizer_path", "model_dir", "model_type",
+                "architectures")},
+            "is_generation": True, "context_len": tm.context_len, "vocab_size": tm.vocab_size,
             "has_chat_template": openai.chat_template is not None,
+            "tool_call_parser": openai.tool_call_parser,
         })
 
-    @app.get("/get_server_info")
-    async def get_server_info() -> Response:
-        info = args.info()
-        info.update(
-            version=__version__, max_total_num_tokens=tm.max_total_num_tokens,
-            context_len=tm.context_len, vocab_size=tm.vocab_size,
-            num_running_requests=tm.num_running, uptime_s=round(time.time() - started, 3),
-        )
-        return json_response(info)
+    async def server_info() -> Response:
+        return json_response({**launched.server_info(), "version": __version__,
+                              "uptime_s": round(time.time() - started, 3)})
+
+    for path, route in (("/model_info", model_info), ("/get_model_info", model_info),
+                        ("/server_info", server_info), ("/get_server_info", server_info)):
+        app.get(path)(route)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -203,6 +206,16 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await openai.chat(req, request)
+
+    async def tokenize_route(req: TokenizeRequest) -> Response:
+        return json_response(await tokenize(openai, req))
+
+    async def detokenize_route(req: DetokenizeRequest) -> Response:
+        return json_response(detokenize(openai, req))
+
+    for prefix in ("", "/v1"):
+        app.post(prefix + "/tokenize")(tokenize_route)
+        app.post(prefix + "/detokenize")(detokenize_route)
 
     # ---- control -------------------------------------------------------------------------
     async def flush_cache() -> Response:

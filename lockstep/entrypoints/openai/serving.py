@@ -4,8 +4,6 @@ stream-chunk shapes."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import time
 import uuid
@@ -60,9 +58,6 @@ from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, json_response, sse
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_NAME = "gemma-3-270m"
-
 
 def finish_of(item: GenerateOutput) -> tuple[str | None, int | str | None]:
     """OpenAI's finish_reason and SGLang's matched_stop."""
@@ -130,19 +125,14 @@ class OpenAIServing:
         self.tm = tm
         self.args = args
         self.info = info
-        self.model_name = args.served_model_name or args.model_path or DEFAULT_MODEL_NAME
+        self.model_name: str = info["served_model_name"]
         # "default" as SGLang's docs and this README write it: SGLang checks no model name.
         names = {self.model_name, "default"}
         if args.model_path:
             names |= {args.model_path, Path(args.model_path).name}
         self.accepted_names = names
-        config: dict[str, Any] = {}
-        model_dir = self.info.get("model_dir")
-        if model_dir:
-            with contextlib.suppress(OSError, ValueError):
-                config = json.loads((Path(model_dir) / "config.json").read_text())
-        model_type = str(config.get("model_type") or "")
-        architectures = list(config.get("architectures") or [])
+        model_type = str(info.get("model_type") or "")
+        architectures = list(info.get("architectures") or [])
         own = self.info.get("chat_template") or getattr(self.tm.tokenizer, "chat_template", None)
         self.chat_template = resolve_chat_template(
             args.chat_template, own if isinstance(own, str) else None, model_type, architectures)
@@ -168,8 +158,11 @@ class OpenAIServing:
         except ToolRequestError as e:
             raise RequestError(str(e)) from None
 
-    async def render_chat_prompt(self, req: ChatCompletionRequest,
-                                 plan: ToolPlan | None = None) -> list[int]:
+    async def render_chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None,
+                                 *, add_generation_prompt: bool = True,
+                                 add_special_tokens: bool = False) -> list[int]:
+        """The chat template's prompt, tokenized (/tokenize with messages may override the two
+        flags a chat completion leaves at their defaults)."""
         if self.chat_template is None:
             raise RequestError(
                 "this model has no chat template and none is built in for its architecture; "
@@ -178,12 +171,13 @@ class OpenAIServing:
         try:
             messages = [template_message(i, m) for i, m in enumerate(req.messages_as_dicts())]
             prompt = render_chat(tok, self.chat_template, messages,
+                                 add_generation_prompt=add_generation_prompt,
                                  tools=list(plan.tools) if plan is not None else None)
         except ToolRequestError as e:
             raise RequestError(str(e)) from None
         except ChatTemplateError as e:
             raise RequestError(f"messages: {e}") from e
-        return await self.tm.tokenize_text(prompt, add_special_tokens=False)
+        return await self.tm.tokenize_text(prompt, add_special_tokens=add_special_tokens)
 
     # ---- /v1/completions --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
