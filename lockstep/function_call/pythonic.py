@@ -142,6 +142,10 @@ class PythonicParser(ToolCallParser):
         return True
 
     def _scan_value(self) -> bool | None:
+        """Where a keyword's value ends (a "," or ")" outside brackets and quotes). Hand-written:
+        the values are Python literals ('single quotes', True, None: test_tool_parsers'
+        PYTHONIC_TWO), which no JSON parser reads, and ast reads only a complete expression
+        (it does the decoding, in literal_json, once the end is found)."""
         buf, i = self._buf, self._pos
         depth, quote, escape = self._depth, self._quote, self._escape
         end = -1
