@@ -301,10 +301,17 @@ def test_proxied_routes(servers, make_router):
     assert requests.get(router.url + "/health", timeout=10).status_code == 200
     models = requests.get(router.url + "/v1/models", timeout=10)
     assert models.status_code == 200 and models.json()["data"][0]["id"]
-    info = requests.get(router.url + "/get_model_info", timeout=10).json()
-    assert info["model_path"] and info["is_generation"] is True
-    server_info = requests.get(router.url + "/get_server_info", timeout=10).json()
-    assert server_info["router"]["policy"]["policy"] == "power_of_two"
+    for name in ("model_info", "get_model_info"):
+        info = requests.get(f"{router.url}/{name}", timeout=10).json()
+        assert info["model_path"] and info["is_generation"] is True
+    for name in ("server_info", "get_server_info"):
+        server_info = requests.get(f"{router.url}/{name}", timeout=10).json()
+        assert server_info["router"]["policy"]["policy"] == "power_of_two"
+    ids = post(router.url, "/tokenize", {"prompt": "hello world"}).json()
+    assert ids == post(a, "/v1/tokenize", {"prompt": "hello world"}).json()
+    text = post(router.url, "/v1/detokenize", {"tokens": ids["tokens"]})
+    assert text.status_code == 200 and text.json()["text"] == "hello world", text.text
+    assert post(router.url, "/detokenize", {"tokens": "x"}).status_code == 400
     chat = post(router.url, "/v1/chat/completions",
                 {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                  "temperature": 0})

@@ -11,9 +11,9 @@
   request is answered twice; a stream cut mid-way ends with an SSE error event and no [DONE].
 - Health: every `--health-check-interval` seconds GET /health on each worker; a worker that fails
   it (or refuses a connection) is taken out of rotation until it passes again.
-- /health is 200 while at least one worker is healthy; /v1/models, /get_model_info,
-  /get_server_info and /health_generate come from one worker; /flush_cache and /abort_request go
-  to all of them.
+- /health is 200 while at least one worker is healthy; /v1/models, /model_info, /server_info
+  (also under /get_*), /health_generate and /tokenize, /detokenize (also under /v1/) come from
+  one worker; /flush_cache and /abort_request go to all of them.
 - Admin (SGLang router's names): POST /add_worker?url=URL, POST /remove_worker?url=URL,
   GET /list_workers; GET /get_router_info has per-worker counters and the policy's state.
 

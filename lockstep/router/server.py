@@ -92,7 +92,10 @@ def create_app(config: RouterConfig) -> FastAPI:
         return await _unless_client_leaves(request, work)
 
     async def from_one(request: Request, path: str) -> Response:
-        return await router.dispatch(request.method, path, None, _forward_headers(request),
+        body = await _read_body(request) if request.method == "POST" else None
+        if isinstance(body, Response):
+            return body
+        return await router.dispatch(request.method, path, body, _forward_headers(request),
                                      least_loaded)
 
     # ---- generation, and what one worker answers for all -------------------------------
@@ -104,16 +107,17 @@ def create_app(config: RouterConfig) -> FastAPI:
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         app.add_api_route(path, to(generation, path),
                           methods=["POST", "PUT"] if path == "/generate" else ["POST"])
-    for path in ("/v1/models", "/get_model_info", "/health_generate"):
+    for path in ("/v1/models", "/model_info", "/get_model_info", "/health_generate"):
         app.add_api_route(path, to(from_one, path), methods=["GET"])
+    for path in ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize"):
+        app.add_api_route(path, to(from_one, path), methods=["POST"])
 
     @app.get("/v1/models/{model:path}")
     async def get_model(request: Request, model: str) -> Response:
         return await from_one(request, f"/v1/models/{model}")
 
-    @app.get("/get_server_info")
-    async def get_server_info(request: Request) -> Response:
-        resp = await from_one(request, "/get_server_info")
+    async def server_info(request: Request) -> Response:
+        resp = await from_one(request, request.url.path)
         if resp.status_code == 200:
             with contextlib.suppress(orjson.JSONDecodeError, TypeError):
                 info = orjson.loads(resp.body)
@@ -121,6 +125,9 @@ def create_app(config: RouterConfig) -> FastAPI:
                     info["router"] = router.info()
                     return json_response(info)
         return resp
+
+    app.get("/server_info")(server_info)
+    app.get("/get_server_info")(server_info)
 
     # ---- to every worker -----------------------------------------------------------------
     @app.api_route("/flush_cache", methods=["POST", "GET"])
