@@ -179,13 +179,17 @@ class TokenizerManager:
             enc = self.tokenizer(text, add_special_tokens=add_special_tokens)
         return enc.input_ids
 
+    def check_ids(self, ids: list[int], where: str) -> list[int]:
+        """`ids`, or a 400 naming `where` when one is outside the vocabulary."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(
+                f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return list(ids)
+
     async def tokenize(self, req: SingleGenerateReq) -> list[int]:
         if req.input_ids is not None:
-            ids = list(req.input_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"input_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-            return ids
+            return self.check_ids(req.input_ids, "input_ids")
         return await self.tokenize_text(req.text or "")
 
     def to_sampling_params(self, sp: SamplingParamsModel, prompt_len: int) -> SamplingParams:

@@ -11,7 +11,6 @@ from pydantic import model_validator
 from lockstep.entrypoints.generate_request import IdsInput, StrictModel, TextInput
 from lockstep.entrypoints.openai.protocol import ChatCompletionRequest
 from lockstep.entrypoints.openai.serving import OpenAIServing
-from lockstep.entrypoints.tokenizer_manager import RequestError
 
 # SGLang's chat fields of a tokenize request: validated as a chat completion's, so that a value
 # the chat route refuses gets the same 400 here rather than being dropped.
@@ -51,23 +50,20 @@ class DetokenizeRequest(StrictModel):
 async def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> dict[str, Any]:
     serving.check_model(req.model)
     tm = serving.tm
-    tokens: list[int] | list[list[int]]
     if req.messages is not None:
         chat = ChatCompletionRequest.model_validate(
             req.model_dump(include=_CHAT_FIELDS, exclude_defaults=True))
-        tokens = await serving.render_chat_prompt(
+        ids = await serving.render_chat_prompt(
             chat, serving.tool_plan(chat),
             add_generation_prompt=req.add_generation_prompt is not False,
             # the template writes the special tokens itself: added again only when asked for
             add_special_tokens="add_special_tokens" in req.model_fields_set
             and req.add_special_tokens)
-        count: int | list[int] = len(tokens)
-    elif isinstance(req.prompt, str):
-        tokens = await tm.tokenize_text(req.prompt, req.add_special_tokens)
-        count = len(tokens)
-    else:
-        tokens = [await tm.tokenize_text(p, req.add_special_tokens) for p in req.prompt or []]
-        count = [len(t) for t in tokens]
+        return {"tokens": ids, "count": len(ids), "max_model_len": tm.context_len}
+    one = isinstance(req.prompt, str)
+    lists = [await tm.tokenize_text(p, req.add_special_tokens)
+             for p in ([req.prompt] if one else req.prompt or [])]
+    tokens, count = (lists[0], len(lists[0])) if one else (lists, [len(t) for t in lists])
     return {"tokens": tokens, "count": count, "max_model_len": tm.context_len}
 
 
@@ -76,12 +72,7 @@ def detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> dict[str, Any]
     tm = serving.tm
     many = bool(req.tokens) and isinstance(req.tokens[0], list)
     lists: list[list[int]] = req.tokens if many else [req.tokens]  # type: ignore[assignment,list-item]
-    for i, ids in enumerate(lists):
-        bad = next((t for t in ids if t >= tm.vocab_size), None)
-        if bad is not None:
-            where = f"tokens[{i}]" if many else "tokens"
-            raise RequestError(
-                f"{where}: token id {bad} is outside the vocabulary [0, {tm.vocab_size})")
-    texts = [tm.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
-             for ids in lists]
+    texts = [tm.tokenizer.decode(tm.check_ids(ids, f"tokens[{i}]" if many else "tokens"),
+                                 skip_special_tokens=req.skip_special_tokens)
+             for i, ids in enumerate(lists)]
     return {"text": texts if many else texts[0]}
