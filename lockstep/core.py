@@ -100,23 +100,21 @@ class ForwardMode(Enum):
 
 @dataclass
 class AttentionMetadata:
-    """Built once per forward and shared by every layer: where each request's keys live and
-    which keys each query may see (one mask per distinct sliding window)."""
+    """Built once per forward and shared by every layer: where each query row's keys live."""
 
-    kv_indices: torch.Tensor  # [B, L] KV slots per request, padded with the scratch slot 0
-    q_scatter: torch.Tensor  # [T] flat token -> row in the padded [B * Q] query grid
-    max_q: int
-    # For attention one request at a time: every request's KV slots back to back, unpadded, and
-    # per request (first query row, queries, keys, first row of its keys in kv_flat).
-    kv_flat: torch.Tensor
-    # window -> [B,1,Q,L]; empty for a CPU batch of decodes, which reads no mask
+    # CPU: every request's KV slots back to back, unpadded, and per query row [T] the first of its
+    # request's keys in kv_flat and how many it sees (its position + 1). Each row runs alone in the
+    # decode kernel, so its numbers never depend on how many rows its request extends by (a
+    # prefix-cache hit, a prefill chunk, a speculative verify pass) or on its neighbours.
+    kv_flat: torch.Tensor | None = None
+    row_kv_starts: torch.Tensor | None = None
+    row_kv_lens: torch.Tensor | None = None
+    # GPU: one masked SDPA over the padded [B, Q, L] grid: KV slots per request padded with the
+    # scratch slot 0, flat token -> row of the [B * Q] query grid, one mask per sliding window.
+    kv_indices: torch.Tensor | None = None
+    q_scatter: torch.Tensor | None = None
+    max_q: int = 1
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
-    # The requests with one query (decode), for the decode kernel: their query rows [R], and the first
-    # row of their keys in kv_flat and how many [R].
-    one_query_rows: torch.Tensor | None = None
-    one_query_kv_starts: torch.Tensor | None = None
-    one_query_kv_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -145,8 +143,8 @@ class ForwardBatch:
         max_q, max_l = int(ext.max()), int(seq.max())
         device = self.input_ids.device
         kv = req_to_token[self.req_pool_indices, :max_l]
-        if max_q == 1 and device.type == "cpu":
-            self.attn = _cpu_decode_metadata(kv, seq, max_l)
+        if device.type == "cpu":
+            self.attn = _cpu_row_metadata(kv, ext, pre, seq, max_l)
             return
         q_idx = torch.arange(max_q, device=device)
         k_idx = torch.arange(max_l, device=device)
@@ -163,25 +161,22 @@ class ForwardBatch:
             # Padding queries see key 0 only, so softmax never divides by zero; they are dropped.
             m = m | (padded_q[:, :, None] & (k_idx == 0)[None, None, :])
             masks[w] = m.unsqueeze(1)
-        real = k_idx[None, :] < seq[:, None]
-        kv_flat = kv[real]
-        kv = torch.where(real, kv, 0)
-        k_starts = torch.cumsum(seq, 0) - seq
-        spans = list(zip(starts.tolist(), ext.tolist(), seq.tolist(), k_starts.tolist()))
-        one = ext == 1
-        self.attn = AttentionMetadata(kv, row_of_token * max_q + col_of_token, max_q, kv_flat,
-                                      masks, spans, starts[one], k_starts[one], seq[one])
+        kv = torch.where(k_idx[None, :] < seq[:, None], kv, 0)
+        self.attn = AttentionMetadata(kv_indices=kv, q_scatter=row_of_token * max_q + col_of_token,
+                                      max_q=max_q, masks=masks)
 
 
-def _cpu_decode_metadata(kv: torch.Tensor, seq: torch.Tensor, max_l: int) -> AttentionMetadata:
-    """A CPU batch of decodes (one query per request): the decode kernel reads every request's keys
-    from kv_flat, so no masks are built (a per-step cost, a third of this function's)."""
-    b = seq.numel()
-    real = torch.arange(max_l, device=kv.device)[None, :] < seq[:, None]
+def _cpu_row_metadata(kv: torch.Tensor, ext: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor,
+                      max_l: int) -> AttentionMetadata:
+    """No masks and no padded grid on a CPU (building masks was a third of a decode step's set-up)."""
+    device = kv.device
+    kv_flat = kv[torch.arange(max_l, device=device)[None, :] < seq[:, None]]
     k_starts = torch.cumsum(seq, 0) - seq
-    rows = torch.arange(b, device=kv.device)
-    spans = [(i, 1, n, k0) for i, (n, k0) in enumerate(zip(seq.tolist(), k_starts.tolist()))]
-    return AttentionMetadata(torch.where(real, kv, 0), rows, 1, kv[real], {}, spans, rows, k_starts, seq)
+    if int(ext.max()) == 1:  # a batch of decodes: one row per request, the common step kept cheap
+        return AttentionMetadata(kv_flat, k_starts, seq)
+    row_of_token = torch.repeat_interleave(torch.arange(seq.numel(), device=device), ext)
+    col_of_token = torch.arange(int(ext.sum()), device=device) - (torch.cumsum(ext, 0) - ext)[row_of_token]
+    return AttentionMetadata(kv_flat, k_starts[row_of_token], pre[row_of_token] + col_of_token + 1)
 
 
 def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:

@@ -1,11 +1,11 @@
 """Attention over the paged KV pool.
 
-Every layer writes its new K/V into the pool first. On a CPU each request's attention then runs
-on its own exact [query, key] shapes, so its numbers are bitwise the same whatever it is batched
-with (padding a request to its neighbours' lengths changes how the softmax and the value sums are
-blocked, and so their rounding): a one-query request (decode) in the decode kernel
-(lockstep.kernels.decode), which reads its keys in place by slot, a longer one in SDPA over its
-gathered keys. On a GPU one masked SDPA runs over the padded [batch, query, key] grid."""
+Every layer writes its new K/V into the pool first. On a CPU every query row then runs alone in
+the decode kernel (lockstep.kernels.decode), which reads its keys in place by slot and sums in an
+order fixed by that row's own keys: so its numbers are bitwise the same whatever it is batched with
+and however many rows its request extends by (a prefix-cache hit, a chunk, a speculative verify
+pass give the bits of a plain prefill or decode). On a GPU one masked SDPA runs over the padded
+[batch, query, key] grid, where that holds only as far as cuDNN/flash kernels are deterministic."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class PagedAttention(nn.Module):
         assert meta is not None, "ForwardBatch.build_attention must run before the model"
         pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         if q.device.type == "cpu":
-            return self._per_request(q, meta, pool)
+            return self._rows(q, meta, pool)
         return self._batched(q, fb, meta, pool)
 
     def _batched(self, q: torch.Tensor, fb: ForwardBatch, meta: AttentionMetadata,
@@ -62,41 +62,13 @@ class PagedAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b * qn, self.n_heads * self.head_dim)
         return out if qn == 1 and q.shape[0] == b else out[meta.q_scatter]
 
-    def _per_request(self, q: torch.Tensor, meta: AttentionMetadata,
-                     pool: TokenToKVPool) -> torch.Tensor:
-        k_buf, v_buf = pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id]
-        # Every one-query request (decode) takes the same road whatever shares its batch: the decode
-        # kernel, reading its keys in place from the pool.
-        one = None
-        if meta.one_query_rows is not None and meta.one_query_rows.numel():
-            qo = q if meta.max_q == 1 else q.index_select(0, meta.one_query_rows)
-            one = decode_attention(qo, k_buf, v_buf, meta.kv_flat, meta.one_query_kv_starts,
-                                   meta.one_query_kv_lens, self.scaling, self.softcap, self.window)
-            if meta.max_q == 1:
-                return one
-        # One gather of the batch's keys, unpadded; each request then reads its own rows, laid
-        # out in memory as they would be alone.
-        keys_all = k_buf.index_select(0, meta.kv_flat)  # [sum L, Hkv, D]
-        vals_all = v_buf.index_select(0, meta.kv_flat)
-        outs = []
-        n_one = 0
-        for r, (start, qn, kn, k0) in enumerate(meta.spans):
-            if qn == 1:
-                outs.append(one[n_one:n_one + 1])
-                n_one += 1
-                continue
-            qr = q[start:start + qn].unsqueeze(0).transpose(1, 2)  # [1, H, Q, D]
-            keys = keys_all[k0:k0 + kn].unsqueeze(0).transpose(1, 2)  # [1, Hkv, L, D]
-            vals = vals_all[k0:k0 + kn].unsqueeze(0).transpose(1, 2)
-            mask = meta.masks[self.window][r:r + 1, :, :qn, :kn]
-            if self.softcap is None:
-                out = F.scaled_dot_product_attention(
-                    qr, keys, vals, attn_mask=mask, scale=self.scaling,
-                    enable_gqa=self.n_heads != self.n_kv_heads)
-            else:
-                out = self._matmul_attention(qr, keys, vals, mask)
-            outs.append(out.transpose(1, 2).reshape(qn, self.n_heads * self.head_dim))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    def _rows(self, q: torch.Tensor, meta: AttentionMetadata, pool: TokenToKVPool) -> torch.Tensor:
+        """Every query row alone, prefill rows as decode rows: the decode kernel, reading its keys
+        in place from the pool. So a position's numbers are the same bits whether it is decoded,
+        prefilled, prefilled over a cached prefix or in another chunk."""
+        return decode_attention(q, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id],
+                                meta.kv_flat, meta.row_kv_starts, meta.row_kv_lens, self.scaling,
+                                self.softcap, self.window)
 
     @staticmethod
     def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""N-gram drafts for speculative decoding (SGLang's NGRAM algorithm in spirit): guess a request's next
+tokens from its own prompt and output, and from a bounded store of recent requests' tokens.
+
+The last n tokens (n from the max window down to the min) are looked up among the n-grams seen
+before; the tokens that followed their latest earlier occurrence are the draft. Everything here is a
+pure function of the tokens fed in, in the order the scheduler feeds them, with no clock, no set
+iteration and no randomness: every rank drafts the same tokens from its own copy of the inputs, so
+the ranks stay in lockstep without sending drafts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    # SGLang's flags; the windows' defaults are narrower than SGLang's 1..12: the index costs a dict
+    # entry per token and window size, and a one-token match drafts mostly noise.
+    max_draft: int = 8  # --speculative-num-draft-tokens: the most tokens one verify pass checks
+    min_window: int = 2  # --speculative-ngram-min-match-window-size
+    max_window: int = 6  # --speculative-ngram-max-match-window-size
+    capacity: int = 100_000  # --speculative-ngram-capacity: n-grams kept across requests
+
+
+class TokenIndex:
+    """Where each n-gram (min_window <= n <= max_window) of one token list last ended and where it
+    ended the time before, updated one token at a time (a dict update per window size)."""
+
+    def __init__(self, cfg: NgramConfig) -> None:
+        self.cfg = cfg
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (last end, previous end)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens)
+            for n in range(self.cfg.min_window, min(self.cfg.max_window, end) + 1):
+                key = tuple(self.tokens[end - n:end])
+                last = self._ends.get(key)
+                self._ends[key] = (end, last[0] if last else -1)
+
+    def continuation(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix's latest earlier occurrence."""
+        end = len(self.tokens)
+        for n in range(min(self.cfg.max_window, end - 1), self.cfg.min_window - 1, -1):
+            hit = self._ends.get(tuple(self.tokens[end - n:end]))
+            if hit is not None and hit[1] > 0:
+                return self.tokens[hit[1]:hit[1] + k]
+        return []
+
+
+class NgramStore:
+    """Continuations of recent requests' n-grams, bounded to `capacity` entries (least recently
+    written dropped first), so a prompt that repeats another request's text drafts from it too."""
+
+    def __init__(self, cfg: NgramConfig) -> None:
+        self.cfg = cfg
+        self._next: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        toks, k = list(tokens), self.cfg.max_draft
+        for end in range(self.cfg.min_window, len(toks)):
+            follow = tuple(toks[end:end + k])
+            for n in range(self.cfg.min_window, min(self.cfg.max_window, end) + 1):
+                key = tuple(toks[end - n:end])
+                self._next[key] = follow
+                self._next.move_to_end(key)
+        while len(self._next) > self.cfg.capacity:
+            self._next.popitem(last=False)
+
+    def continuation(self, tokens: Sequence[int], k: int) -> list[int]:
+        end = len(tokens)
+        for n in range(min(self.cfg.max_window, end), self.cfg.min_window - 1, -1):
+            follow = self._next.get(tuple(tokens[end - n:end]))
+            if follow:
+                return list(follow[:k])
+        return []
+
+
+@dataclass
+class DraftState:
+    """One request's drafting: its token index and how long its next draft may be. The length
+    follows acceptance: a draft taken whole doubles it (up to the max), a partly taken one sets it
+    to what was taken plus one; a request whose drafts keep failing stops drafting for a while,
+    twice as long each time, so text without repetition costs almost nothing."""
+
+    index: TokenIndex
+    length: int
+    pause: int = 0  # decode steps left without drafting
+    backoff: int = 1
+    verify_ct: int = 0  # verify passes with a draft (SGLang's spec_verify_ct)
+    accepted: int = 0  # draft tokens accepted over them
+    misses: int = field(default=0, repr=False)
+
+
+class NgramDrafter:
+    def __init__(self, cfg: NgramConfig) -> None:
+        self.cfg = cfg
+        self.store = NgramStore(cfg)
+
+    def new_state(self, tokens: Sequence[int]) -> DraftState:
+        index = TokenIndex(self.cfg)
+        index.extend(tokens)
+        return DraftState(index, self.cfg.max_draft)
+
+    def propose(self, state: DraftState, room: int) -> list[int]:
+        """The draft for the request's next step, at most `room` tokens (what max_new_tokens and the
+        context still allow after the token this step samples anyway)."""
+        if state.pause > 0:
+            state.pause -= 1
+            return []
+        k = min(state.length, room)
+        if k <= 0:
+            return []
+        return state.index.continuation(k) or self.store.continuation(state.index.tokens, k)
+
+    def observe(self, state: DraftState, new_tokens: Sequence[int], drafted: int, accepted: int) -> None:
+        """Take in a step's emitted tokens and how much of its draft (if any) was accepted."""
+        state.index.extend(new_tokens)
+        if not drafted:
+            return
+        state.verify_ct += 1
+        state.accepted += accepted
+        if accepted == drafted:
+            state.length = min(self.cfg.max_draft, 2 * state.length)
+            state.misses, state.backoff = 0, 1
+        elif accepted:
+            state.length = accepted + 1
+            state.misses = 0
+        else:
+            state.length = max(1, state.length // 2)
+            state.misses += 1
+            if state.misses >= 2:  # two misses in a row: pause, longer each time
+                state.pause, state.backoff = state.backoff, min(64, 2 * state.backoff)
+                state.misses = 0
+
+    def finished(self, tokens: Sequence[int]) -> None:
+        """A request ended: its tokens join the cross-request store (in finish order, every rank alike)."""
+        self.store.add(tokens)
