@@ -52,6 +52,10 @@ class ServerArgs:
         None, "How tool calls are read from the model's replies under tool_choice 'auto' "
               "(SGLang's names). Default: the model family's format (Qwen2/3: qwen25, "
               "Llama: llama3); Gemma 3 has none.", "model", choices=list(TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = arg(
+        None, "Split a reasoning model's thinking block off its chat replies into "
+              "reasoning_content (SGLang's names: qwen3, qwen3-thinking, deepseek-r1, glm45, "
+              "kimi, step3).", "model")
     dtype: str = arg("auto", "auto: float32 on a CPU (the exact path: block weights, float32 "
                              "activations, a request's numbers independent of its batch), "
                              "bfloat16 on CUDA.",

@@ -28,7 +28,8 @@ from lockstep.entrypoints.engine import (
 )
 from lockstep.entrypoints.http_server import create_app
 from lockstep.entrypoints.middleware import ServerStatus
-from lockstep.entrypoints.openai.chat_templates import ChatTemplateError, resolve_chat_template
+from lockstep.entrypoints.openai.chat_templates import resolve_chat_template
+from lockstep.entrypoints.openai.reasoning_parser import reasoning_format
 from lockstep.entrypoints.tokenizer_manager import RETRY_AFTER_S
 from lockstep.server_args import ServerArgs
 from lockstep.utils.http import error_body
@@ -158,12 +159,14 @@ class DrainingServer(uvicorn.Server):
 def launch_server(args: ServerArgs) -> None:
     """Start every process, serve until SIGINT/SIGTERM, then end them all."""
     configure_logging(args.log_level, "server")
-    if args.chat_template:
-        try:
+    try:  # a mistyped name fails here, not after the model has loaded
+        if args.chat_template:
             resolve_chat_template(args.chat_template, None, "", [])
-        except ChatTemplateError as e:
-            logger.error("%s", e)
-            sys.exit(2)
+        if args.reasoning_parser:
+            reasoning_format(args.reasoning_parser)
+    except ValueError as e:  # ChatTemplateError is one
+        logger.error("%s", e)
+        sys.exit(2)
     responder: StartupResponder | None = None
     try:
         sock = _bind(args.host, args.port)

@@ -8,6 +8,7 @@ does in transformers.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -106,6 +107,12 @@ def _read_template_file(path: str) -> str:
     if not isinstance(content, str) or not content.strip():
         raise ChatTemplateError(f"chat template file {path!r} holds no template")
     return content
+
+
+def renderer_arguments(tokenizer: Any) -> frozenset[str]:
+    """apply_chat_template's own arguments: a template variable of such a name would set the
+    argument (tokenize=True returns ids, not a prompt) or fail as given twice."""
+    return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
 
 
 def render_chat(

@@ -291,6 +291,12 @@ class ChatCompletionRequest(_OpenAIRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Handed to the chat template as variables (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's: split the thinking block into reasoning_content (with --reasoning-parser), and
+    # stream it delta by delta rather than in one piece when the block ends.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -405,6 +411,7 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -434,6 +441,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

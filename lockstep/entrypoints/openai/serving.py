@@ -20,6 +20,7 @@ from lockstep.entrypoints.generate_request import GenerateReqInput, SingleGenera
 from lockstep.entrypoints.openai.chat_templates import (
     ChatTemplateError,
     render_chat,
+    renderer_arguments,
     resolve_chat_template,
 )
 from lockstep.entrypoints.openai.protocol import (
@@ -42,6 +43,7 @@ from lockstep.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from lockstep.entrypoints.openai.reasoning_parser import ReasoningParser, reasoning_format
 from lockstep.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolPlan,
@@ -138,6 +140,7 @@ class OpenAIServing:
             args.chat_template, own if isinstance(own, str) else None, model_type, architectures)
         self.tool_call_parser = (args.tool_call_parser
                                  or default_parser_name(model_type, architectures))
+        self.reasoning = reasoning_format(args.reasoning_parser) if args.reasoning_parser else None
 
     # ---- models and templates ---------------------------------------------------------
 
@@ -160,24 +163,41 @@ class OpenAIServing:
 
     async def render_chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None,
                                  *, add_generation_prompt: bool = True,
-                                 add_special_tokens: bool = False) -> list[int]:
-        """The chat template's prompt, tokenized (/tokenize with messages may override the two
-        flags a chat completion leaves at their defaults)."""
+                                 add_special_tokens: bool = False) -> tuple[list[int], str]:
+        """The chat template's prompt, tokenized, and its text (/tokenize with messages may
+        override the two flags a chat completion leaves at their defaults)."""
         if self.chat_template is None:
             raise RequestError(
                 "this model has no chat template and none is built in for its architecture; "
                 "start the server with --chat-template NAME|FILE or use /v1/completions")
         tok = self.tm.tokenizer
+        kwargs = req.chat_template_kwargs or {}
+        clash = sorted(renderer_arguments(tok) & set(kwargs))
+        if clash:
+            raise RequestError(f"chat_template_kwargs: {', '.join(clash)} cannot be set here "
+                               "(an argument of the template renderer, not a template variable)")
         try:
             messages = [template_message(i, m) for i, m in enumerate(req.messages_as_dicts())]
-            prompt = render_chat(tok, self.chat_template, messages,
+            prompt = render_chat(tok, self.chat_template, messages, extra_context=kwargs,
                                  add_generation_prompt=add_generation_prompt,
                                  tools=list(plan.tools) if plan is not None else None)
         except ToolRequestError as e:
             raise RequestError(str(e)) from None
         except ChatTemplateError as e:
             raise RequestError(f"messages: {e}") from e
-        return await self.tm.tokenize_text(prompt, add_special_tokens=add_special_tokens)
+        return await self.tm.tokenize_text(prompt, add_special_tokens=add_special_tokens), prompt
+
+    def reasoning_parsers(self, req: ChatCompletionRequest, prompt: str, json_output: bool,
+                          n: int) -> list[ReasoningParser | None]:
+        """One per choice; None where the reply is not split (no --reasoning-parser, or
+        separate_reasoning false: the thinking stays in content). A JSON constraint (a forced
+        tool call, response_format) holds from the first token: no block can open the reply,
+        which would otherwise be taken for reasoning whole."""
+        fmt = self.reasoning
+        if fmt is None or not req.separate_reasoning:
+            return [None] * n
+        inside = not json_output and fmt.starts_inside(req.chat_template_kwargs, prompt)
+        return [ReasoningParser(fmt, inside, req.stream_reasoning) for _ in range(n)]
 
     # ---- /v1/completions --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
@@ -261,29 +281,34 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
         plan = self.tool_plan(req)
-        ids = await self.render_chat_prompt(req, plan)
+        ids, prompt = await self.render_chat_prompt(req, plan)
         forced = plan.json_schema() if plan is not None else None  # "required" or named
+        params = req.to_sampling_params(forced)
         gen_in = GenerateReqInput(
-            input_ids=ids, sampling_params=req.to_sampling_params(forced), stream=req.stream,
+            input_ids=ids, sampling_params=params, stream=req.stream,
             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
             return_text_in_logprobs=True)
         check_fanout(gen_in, self.args.max_batch_size)
         singles = gen_in.normalize()
+        thinking = self.reasoning_parsers(req, prompt, params.json_schema is not None,
+                                          len(singles))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
             fan = await start_stream(self.tm, singles, request)
-            return SSEResponse(self._chat_stream(fan, req, singles, rid, created, plan))
+            return SSEResponse(self._chat_stream(fan, req, singles, rid, created, plan, thinking))
         finals = await run_to_completion(self.tm, singles, request)
         choices = []
-        for s, item in zip(singles, finals):
+        for s, item, think in zip(singles, finals, thinking):
             lp = None
             if req.logprobs:
                 lp = chat_logprobs(*_LogprobCursor().take(item, with_prompt=False))
             finish, matched = finish_of(item)
-            content, calls, finish = complete_reply(plan, item.text, finish)
+            reasoning, text = think.parse(item.text) if think is not None else (None, item.text)
+            content, calls, finish = complete_reply(plan, text, finish)
             choices.append(ChatCompletionChoice(
-                index=s.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                index=s.index, message=ChatResponseMessage(
+                    content=content, reasoning_content=reasoning, tool_calls=calls),
                 logprobs=lp, finish_reason=finish, matched_stop=matched))
         resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name,
                                       choices=choices, usage=usage_of(singles, finals))
@@ -291,7 +316,8 @@ class OpenAIServing:
 
     async def _chat_stream(self, fan: Fanout, req: ChatCompletionRequest,
                            singles: list[SingleGenerateReq], rid: str, created: int,
-                           plan: ToolPlan | None) -> AsyncIterator[bytes]:
+                           plan: ToolPlan | None, thinking: list[ReasoningParser | None]
+                           ) -> AsyncIterator[bytes]:
         cursors = [_LogprobCursor() for _ in singles]
         tools = [ToolCallStream(plan) if plan is not None else None for _ in singles]
         started = [False] * len(singles)
@@ -314,6 +340,15 @@ class OpenAIServing:
                     lp = chat_logprobs(*cursors[index].take(item, with_prompt=False))
                 text, calls = item.text_delta, []
                 finish, matched = finish_of(item)
+                think = thinking[index]
+                if think is not None:  # the parser holds back what may be a marker
+                    reasoning, text = think.feed(text)
+                    if finish is not None:
+                        more_reasoning, more_text = think.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    if reasoning:
+                        yield chunk(ChatCompletionStreamChoice(
+                            index=s.index, delta=DeltaMessage(reasoning_content=reasoning)))
                 stream = tools[index]
                 if stream is not None:  # the parser holds back what may be call markup
                     text, calls = stream.feed(text)

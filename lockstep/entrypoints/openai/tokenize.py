@@ -53,7 +53,7 @@ async def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> dict[str, An
     if req.messages is not None:
         chat = ChatCompletionRequest.model_validate(
             req.model_dump(include=_CHAT_FIELDS, exclude_defaults=True))
-        ids = await serving.render_chat_prompt(
+        ids, _ = await serving.render_chat_prompt(
             chat, serving.tool_plan(chat),
             add_generation_prompt=req.add_generation_prompt is not False,
             # the template writes the special tokens itself: added again only when asked for
