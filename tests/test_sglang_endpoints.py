@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from lockstep.testing.live_server import LiveServer
 from lockstep.testing.tiny_models import make_tiny_model
+from tests.test_http_generate import shared_real_server
 
 SERVED = "tiny-llama"
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
@@ -57,6 +58,19 @@ def test_server_and_model_info(server, tiny_dir):
         assert model["tokenizer_path"] == str(tiny_dir) and model["is_generation"] is True
         assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]
     assert [m["id"] for m in requests.get(server.url + "/v1/models").json()["data"]] == [SERVED]
+
+
+@pytest.mark.real_model
+def test_default_model_identity(request, tmp_path_factory):
+    """No --model-path: the bundled GGUF is the model path and gemma-3-270m the served name (both
+    were null, and SGLang's router registered the server as model "unknown")."""
+    real = shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
+    info = requests.get(real.url + "/server_info", timeout=30).json()
+    assert info["model_path"].endswith(".gguf") and Path(info["model_path"]).is_file()
+    assert info["served_model_name"] == "gemma-3-270m"
+    assert (Path(info["tokenizer_path"]) / "tokenizer.json").is_file()
+    model = requests.get(real.url + "/model_info", timeout=30).json()
+    assert model["model_type"] == "gemma3_text"
 
 
 @pytest.mark.parametrize("prefix", ["", "/v1"])
