@@ -189,6 +189,32 @@ def test_stop_regex_trims_or_keeps(server):
 # Bad input
 
 
+BIG_SCHEMA = {"type": "object", "required": ["n"], "properties": {
+    **{f"field_{i}": {"type": "string", "pattern": r"^[a-z]{3,20}@[a-z]+\.(com|org)$",
+                      "maxLength": 40} for i in range(30)},
+    "n": {"type": "integer", "minimum": 3, "maximum": 99999},
+    "e": {"enum": [f"v{i}" for i in range(300)]}, "d": {"type": "string", "format": "date-time"}}}
+
+
+def test_grammar_limits_admit_real_constraints_and_refuse_unbounded_ones():
+    """The front's check (compile, limits, the first bytes of output) in process: what a real
+    client sends passes; what would stall a rank or yield no output is a ConstraintError."""
+    from lockstep.constrained import ConstraintError, json_schema_constraint, validate_constraint
+
+    for c in (json_schema_constraint(BIG_SCHEMA), json_schema_constraint(SCHEMA),
+              Constraint("regex", r"[a-z0-9._%+-]{1,64}@[a-z0-9.-]{1,255}\.[a-z]{2,10}"),
+              Constraint("regex", DATE), Constraint("regex", "a{5000}"), Constraint("ebnf", EBNF),
+              Constraint("regex", "[0-9]{50}"), Constraint("regex", "a*")):
+        validate_constraint(c)
+    for c, why in ((Constraint("regex", "a{1000000}"), "limits"),
+                   (Constraint("json_schema", '{"$ref": "#"}'), "no output"),
+                   (Constraint("json_schema", '{"items": ' * 70 + "{}" + "}" * 70), "deep"),
+                   (Constraint("ebnf", 'root ::= x\nx ::= "a" x'), "limits"),
+                   (Constraint("regex", "a" * 300_000), "characters")):
+        with pytest.raises(ConstraintError, match=why):
+            validate_constraint(c)
+
+
 @pytest.mark.parametrize("params,words", [
     ({"regex": "([0-9]"}, ["regex"]),
     ({"json_schema": "{not json"}, ["json_schema", "JSON"]),

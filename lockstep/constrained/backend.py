@@ -17,7 +17,12 @@ from pathlib import Path
 import llguidance
 import torch
 
-from lockstep.constrained.constraint import Constraint, ConstraintError
+from lockstep.constrained.constraint import (
+    GRAMMAR_LIMITS,
+    Constraint,
+    ConstraintError,
+    clean_grammar_error,
+)
 
 # Compiled grammars kept per rank, by constraint text; the oldest unused one goes first.
 GRAMMAR_CACHE_SIZE = 256
@@ -35,8 +40,9 @@ class GrammarMatcher:
         self.consumed = 0
 
     def accept(self, token: int) -> bool:
-        """Advance by a sampled token; False when the grammar does not allow it."""
-        ok = self._m.consume_token(token)
+        """Advance by a sampled token; False when the grammar does not allow it or fails on it
+        (a limit hit while generating: going on would drop the constraint)."""
+        ok = self._m.consume_token(token) and not self._m.is_error()
         self.consumed += ok
         return ok
 
@@ -51,7 +57,7 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        return self._m.get_error()
+        return clean_grammar_error(self._m.get_error())
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > self.consumed or not self._m.rollback(num_tokens):
@@ -91,9 +97,11 @@ class GrammarBackend:
         """A fresh matcher for `constraint`; ConstraintError when it does not compile."""
         proto = self._cache.get(constraint)
         if proto is None:
-            proto = llguidance.LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
+            proto = llguidance.LLMatcher(self.tokenizer, constraint.grammar(), log_level=0,
+                                         limits=GRAMMAR_LIMITS)
             if proto.is_error():
-                raise ConstraintError(f"invalid {constraint.kind}: {proto.get_error()}")
+                raise ConstraintError(f"invalid {constraint.kind}: "
+                                      f"{clean_grammar_error(proto.get_error())}")
             self._cache[constraint] = proto
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)

@@ -8,11 +8,14 @@ against the vocabulary; that compile cannot fail where this check passed.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import llguidance
+import orjson
+from pydantic import AfterValidator
 
 ConstraintKind = Literal["regex", "json_schema", "ebnf"]
 # SGLang's sampling_params names, in the order its error message lists them.
@@ -23,6 +26,22 @@ CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("regex", "json_schema", "ebnf")
 JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
 }
+
+
+# Limits every constraint is held to, the same in the front's check and the scheduler's compile.
+# Longer texts are refused before they are parsed.
+MAX_CONSTRAINT_CHARS = 256 * 1024
+# Nesting of a JSON schema (json_schema, response_format, tool parameters), checked without
+# recursion before anything walks it: Python's json module raises RecursionError near 1,000
+# levels, and llguidance refuses past 128.
+MAX_SCHEMA_DEPTH = 64
+# llguidance's resource limits. Its default lexer fuel let `a{100000}` take 0.4 s per mask and
+# `a{1000000}` fail only at its first token, each stalling every request on the rank; at 100k a
+# large realistic schema still compiles (30 properties with patterns, a 300-value enum).
+# verbose_errors off: an error names the limit, never the engine's internal state.
+GRAMMAR_LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=100_000, verbose_errors=False)
+# Bytes of output the front's check generates before it calls a grammar sound (see _probe).
+PROBE_STEPS = 8
 
 
 class ConstraintError(ValueError):
@@ -40,15 +59,16 @@ class Constraint:
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.text)
             if self.kind == "json_schema":
-                schema = json.loads(self.text)
+                schema = orjson.loads(self.text)  # its depth limit is checked without recursion
                 if not isinstance(schema, (dict, bool)):
                     raise ConstraintError("json_schema must be a JSON object (a JSON Schema)")
+                check_schema_depth(schema, "json_schema")  # before strict_schema walks it
                 return llguidance.LLMatcher.grammar_from_json_schema(strict_schema(schema),
                                                                      defaults=JSON_OPTIONS)
             return llguidance.grammar_from("gbnf", self.text)
         except ConstraintError:
             raise
-        except json.JSONDecodeError as e:
+        except orjson.JSONDecodeError as e:
             raise ConstraintError(f"json_schema is not valid JSON: {e}") from None
         except ValueError as e:
             raise ConstraintError(f"invalid {self.kind}: {_one_line(str(e))}") from None
@@ -102,10 +122,91 @@ def strict_schema(schema: Any) -> Any:
 
 
 def validate_constraint(c: Constraint) -> None:
-    """Raise ConstraintError naming the problem when `c` cannot be compiled."""
-    error = llguidance.LLMatcher.validate_grammar(c.grammar())
+    """Raise ConstraintError naming the problem when `c` cannot be compiled, exceeds a limit,
+    or fails within its first bytes of output."""
+    if len(c.text) > MAX_CONSTRAINT_CHARS:
+        raise ConstraintError(f"{c.kind} has {len(c.text)} characters; the limit is "
+                              f"{MAX_CONSTRAINT_CHARS}")
+    error = _grammar_error(c)
     if error:
-        raise ConstraintError(f"invalid {c.kind}: {_one_line(error)}")
+        raise ConstraintError(error)
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(c: Constraint) -> str | None:
+    grammar = c.grammar()
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=GRAMMAR_LIMITS)
+    if error:
+        return f"invalid {c.kind}: {_one_line(error)}"
+    return _probe(c.kind, grammar)
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    """One token per byte and an end token (256). The front process has no llguidance tokenizer
+    (building one over a 262k vocabulary takes seconds) and needs none to run a grammar."""
+
+    class Bytes:
+        eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+        tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
+
+        def __call__(self, text: bytes) -> list[int]:
+            return list(text)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+
+
+def _probe(kind: str, grammar: str) -> str | None:
+    """Generate up to PROBE_STEPS bytes under the grammar, taking the lowest byte allowed each
+    time. llguidance reports some failures only there: a grammar with no finite output
+    (`{"$ref": "#"}`, `x ::= "a" x`) or one past its lexer limits (`a{1000000}`) validates, then
+    fails at the first or second token, where it once gave a 500 or an empty 200."""
+    m = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=GRAMMAR_LIMITS)
+    step = 0
+    while step < PROBE_STEPS and not m.is_error() and not m.is_accepting():
+        mask = m.compute_bitmask()
+        byte = next((i for i in range(256) if mask[i >> 3] >> (i & 7) & 1), None)
+        if m.is_error() or byte is None:
+            break
+        m.consume_token(byte)
+        step += 1
+    if not m.is_error() and (m.is_accepting() or step == PROBE_STEPS):
+        return None
+    why = clean_grammar_error(m.get_error()) or "nothing can follow"
+    if step == 0:
+        return f"invalid {kind}: no output can satisfy it ({why})"
+    return f"invalid {kind}: it exceeds the grammar engine's limits ({why})"
+
+
+def clean_grammar_error(error: str) -> str:
+    return _one_line(error.replace("<non-verbose/>", ""))
+
+
+def check_schema_depth(value: Any, where: str) -> Any:
+    """Raise ConstraintError when `value` nests deeper than MAX_SCHEMA_DEPTH (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > MAX_SCHEMA_DEPTH:
+                    raise ConstraintError(f"{where} is nested more than {MAX_SCHEMA_DEPTH} "
+                                          "levels deep, the limit")
+                stack.append((child, depth + 1))
+    return value
+
+
+def _bounded_schema(value: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return check_schema_depth(value, "the schema")
+    except ConstraintError as e:
+        raise ValueError(str(e)) from None
+
+
+# A JSON schema in a request body (response_format, tool parameters): depth checked at parse.
+SchemaObject = Annotated[dict[str, Any], AfterValidator(_bounded_schema)]
 
 
 def json_schema_constraint(schema: dict[str, Any] | bool) -> Constraint:

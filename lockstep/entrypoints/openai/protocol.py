@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from lockstep.constrained.constraint import (
     ConstraintError,
+    SchemaObject,
     constraint_from_fields,
     json_object_constraint,
     json_schema_constraint,
@@ -89,7 +90,7 @@ class JsonSchemaSpec(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     # "schema" would shadow a BaseModel attribute; clients send it under that name.
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: SchemaObject | None = Field(None, alias="schema")
     # The schema is always enforced: strict false (best effort) gets the same guarantee.
     strict: bool | None = None
 
@@ -217,7 +218,7 @@ class FunctionDefinition(StrictModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
     description: str | None = None
     # A JSON Schema for the arguments object (checked as one in lockstep.entrypoints.openai.tool_calls).
-    parameters: dict[str, Any] | None = None
+    parameters: SchemaObject | None = None
     # Strict schemas are not enforced under "auto"; "required" or a named function forces them.
     strict: Literal[False] | None = None
 
