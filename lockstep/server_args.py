@@ -87,6 +87,15 @@ class ServerArgs:
     max_request_body_bytes: int = arg(
         32 * 1024 * 1024, "Largest request body accepted; larger get 413.", "server",
         min=1)
+    timeout_request_read: float = arg(
+        60.0, "Seconds a request may take to arrive whole (headers and body) from its first "
+              "byte; a slower client gets 408 and is disconnected.", "server", min=0.001)
+    timeout_keep_alive: float = arg(
+        30.0, "Seconds a connection may sit idle, before its first request or between two, "
+              "before it is closed.", "server", min=0.001)
+    max_connections: int = arg(
+        1000, "Most client connections open at once; one opened beyond gets 503 with "
+              "Retry-After and is closed.", "server", min=1)
     max_prompt_tokens: int | None = arg(
         None, "Longest prompt accepted, in tokens (default: the context length - 1).", "server",
         min=1)

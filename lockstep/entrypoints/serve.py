@@ -16,7 +16,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import orjson
 import uvicorn
 
 from lockstep.core import FINISH_ABORT
@@ -27,12 +26,14 @@ from lockstep.entrypoints.engine import (
     launch_subprocesses,
 )
 from lockstep.entrypoints.http_server import create_app
-from lockstep.entrypoints.middleware import ServerStatus
+from lockstep.entrypoints.middleware import (
+    BoundedH11Protocol,
+    ServerStatus,
+    unavailable_response,
+)
 from lockstep.entrypoints.openai.chat_templates import resolve_chat_template
 from lockstep.entrypoints.openai.reasoning_parser import reasoning_format
-from lockstep.entrypoints.tokenizer_manager import RETRY_AFTER_S
 from lockstep.server_args import ServerArgs
-from lockstep.utils.http import error_body
 from lockstep.utils.process import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -55,34 +56,35 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class StartupResponder:
-    """While the processes start: every request on the (already listening) socket gets a 503
-    with Retry-After, so that load balancers and clients see "starting" rather than a refused
-    connection. A plain thread, so the launch (whose children must be spawned by the main thread:
-    PR_SET_PDEATHSIG follows the spawning thread) goes on undisturbed; `stop()` leaves the
-    socket open for uvicorn."""
+    """While the processes start: every request on the (already listening) socket gets the 503
+    that `status` gives in its "starting" phase, so that load balancers and clients see
+    "starting" rather than a refused connection. A plain thread, so the launch (whose children
+    must be spawned by the main thread: PR_SET_PDEATHSIG follows the spawning thread) goes on
+    undisturbed; a client slower than `read_timeout` is dropped (each holds a thread); `stop()`
+    leaves the socket open for uvicorn."""
 
     MAX_DRAIN_BYTES = 1 << 20
 
-    def __init__(self, sock: socket.socket) -> None:
-        body = orjson.dumps(error_body("the server is starting; retry shortly", 503))
+    def __init__(self, sock: socket.socket, status: ServerStatus, read_timeout: float) -> None:
         drain_limit = self.MAX_DRAIN_BYTES
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = read_timeout  # the socket's: a slow client once held its thread forever
 
             def refuse(self) -> None:
                 with contextlib.suppress(ValueError, OSError):
                     length = int(self.headers.get("Content-Length") or 0)
                     if 0 < length <= drain_limit:
                         self.rfile.read(length)
-                self.send_response(503)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Retry-After", str(RETRY_AFTER_S))
+                refusal = unavailable_response(status.unavailable() or "retry shortly")
+                self.send_response(refusal.status_code)
+                for name, value in refusal.headers.items():
+                    self.send_header(name, value)
                 self.send_header("Connection", "close")
                 self.end_headers()
                 if self.command != "HEAD":
-                    self.wfile.write(body)
+                    self.wfile.write(refusal.body)
                 self.close_connection = True
 
             do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = refuse
@@ -168,11 +170,12 @@ def launch_server(args: ServerArgs) -> None:
         logger.error("%s", e)
         sys.exit(2)
     responder: StartupResponder | None = None
+    status = ServerStatus()
     try:
         sock = _bind(args.host, args.port)
         if args.node_rank == 0:  # answer 503 while the model loads
             sock.listen(2048)
-            responder = StartupResponder(sock).start()
+            responder = StartupResponder(sock, status, args.timeout_request_read).start()
         launched = launch_subprocesses(args)
     except LaunchError as e:
         logger.error("%s", e)
@@ -190,12 +193,12 @@ def launch_server(args: ServerArgs) -> None:
             p.join()
         return
     try:
-        status = ServerStatus(launched)
         app = create_app(launched, status)
         config = uvicorn.Config(
             app, log_config=None, log_level=args.log_level, access_log=args.log_level == "debug",
-            timeout_graceful_shutdown=5, timeout_keep_alive=30, lifespan="on",
-            loop="none",
+            timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,
+            lifespan="on", loop="none",
+            http=BoundedH11Protocol.limits(args.timeout_request_read, args.max_connections),
         )
         server = DrainingServer(config, status, launched)
 
