@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     Tag,
+    WithJsonSchema,
     model_validator,
 )
 
@@ -112,13 +113,19 @@ def _check_top_k(v: int) -> int:
 
 
 LogprobFlag = shaped({"bool": bool, "list": list[bool]}, _bool_or_list, "a boolean or a list")
+# One string or a list: what _stop_to_list accepts, published as such.
+_STOP_SCHEMA = WithJsonSchema({"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": _MAX_STOP_STRINGS},
+]})
 StopList = Annotated[
-    list[NonEmptyStr], Field(max_length=_MAX_STOP_STRINGS), BeforeValidator(_stop_to_list)
+    list[NonEmptyStr], Field(max_length=_MAX_STOP_STRINGS), BeforeValidator(_stop_to_list),
+    _STOP_SCHEMA,
 ]
 TopK = Annotated[int, AfterValidator(_check_top_k)]
 StopRegexList = Annotated[
     list[NonEmptyStr], Field(max_length=_MAX_STOP_STRINGS), BeforeValidator(_stop_to_list),
-    AfterValidator(check_stop_regex),
+    AfterValidator(check_stop_regex), _STOP_SCHEMA,
 ]
 
 
@@ -143,6 +150,20 @@ class StrictModel(BaseModel):
             keep = cls._null_means_something
             return {k: v for k, v in data.items() if v is not None or k in keep}
         return data
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        """The published schema says what `_null_is_unset` does: null is accepted for every
+        optional field (a schema fuzzer found `"echo": null` accepted where it said boolean)."""
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        required = set(schema.get("required", ()))
+        props = schema.get("properties", {})
+        for name, prop in props.items():
+            options = prop.get("anyOf", [prop])
+            if name not in required and not any(o.get("type") == "null" for o in options):
+                outer = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+                props[name] = {"anyOf": [prop, {"type": "null"}], **outer}
+        return schema
 
 
 class SamplingParamsModel(StrictModel):

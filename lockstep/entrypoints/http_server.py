@@ -13,10 +13,11 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -35,7 +36,11 @@ from lockstep.entrypoints.middleware import (
 from lockstep.entrypoints.openai.protocol import (
     AbortRequestInput,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
 )
 from lockstep.entrypoints.openai.serving import OpenAIServing
 from lockstep.entrypoints.openai.tokenize import (
@@ -50,6 +55,29 @@ from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, ErrorResponse, error_response, json_response, sse
 
 HEALTH_GENERATE_TIMEOUT = 60.0
+HEALTHY = {"status": "ok"}  # /health and /health_generate: JSON, as their schema says
+
+
+class GenerateResponse(BaseModel):
+    """One /generate output (a batch or n > 1 answers a list of them, each with its index)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    index: int | None = None
+
+
+class Healthy(BaseModel):
+    status: Literal["ok"]
+
+
+def _returns(model: Any, stream: bool = False) -> dict[Any, Any]:
+    """The 200 response of a route in /openapi.json: `model` as JSON, and SSE when it streams."""
+    return {200: {"model": model, **({"content": {"text/event-stream": {}}} if stream else {})}}
+
+
+def _returns_text(media_type: str) -> dict[Any, Any]:
+    return {200: {"content": {media_type: {"schema": {"type": "string"}}}}}
 
 
 def _operation_id(route: APIRoute) -> str:
@@ -141,12 +169,12 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     # ---- health and info ---------------------------------------------------------------
     async def health() -> Response:
         why = status.unavailable()
-        return Response(status_code=200) if why is None else unavailable_response(why)
+        return json_response(HEALTHY) if why is None else unavailable_response(why)
 
-    app.get("/health")(health)
-    app.head("/health")(health)
+    app.get("/health", responses=_returns(Healthy))(health)
+    app.head("/health", responses=_returns(Healthy))(health)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", responses=_returns(Healthy))
     async def health_generate() -> Response:
         tok = tm.tokenizer
         first = tok.bos_token_id if tok.bos_token_id is not None else 0
@@ -158,7 +186,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
         except asyncio.TimeoutError:
             return error_response("the scheduler did not answer a 1-token generation in "
                                   f"{HEALTH_GENERATE_TIMEOUT:.0f} s", 503)
-        return Response(status_code=200)
+        return json_response(HEALTHY)
 
     # SGLang 0.5 serves both names; its router asks /server_info and /model_info first.
     async def model_info() -> Response:
@@ -179,16 +207,16 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
                         ("/server_info", server_info), ("/get_server_info", server_info)):
         app.get(path)(route)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_returns(ModelList))
     async def list_models() -> Response:
         return json_response(openai.models())
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=_returns(ModelCard))
     async def get_model(model: str) -> Response:
         openai.check_model(model)
         return json_response(openai.models()["data"][0])
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=_returns_text(CONTENT_TYPE))
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -196,14 +224,15 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     async def generate(obj: GenerateReqInput, request: Request) -> Response:
         return await native.generate(obj, request)
 
-    app.post("/generate")(generate)
-    app.put("/generate")(generate)
+    for method in (app.post, app.put):
+        method("/generate", responses=_returns(GenerateResponse | list[GenerateResponse],
+                                               stream=True))(generate)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_returns(CompletionResponse, stream=True))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await openai.completions(req, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_returns(ChatCompletionResponse, stream=True))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await openai.chat(req, request)
 
@@ -224,8 +253,8 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse(f"Cache not flushed: {out.message}\n", status_code=400)
 
-    app.post("/flush_cache")(flush_cache)
-    app.get("/flush_cache")(flush_cache)
+    for method in (app.post, app.get):
+        method("/flush_cache", responses=_returns_text("text/plain"))(flush_cache)
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequestInput) -> Response:

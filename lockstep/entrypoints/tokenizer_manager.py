@@ -208,6 +208,11 @@ class TokenizerManager:
             raise RequestError(
                 f"max_new_tokens ({max_new}) + prompt ({prompt_len} tokens) exceeds the context "
                 f"length {self.context_len}; at most {room} new tokens fit")
+        if prompt_len + max_new > self.max_total_num_tokens:  # a pool smaller than the context
+            raise RequestError(
+                f"max_new_tokens ({max_new}) + prompt ({prompt_len} tokens) exceeds the KV pool "
+                f"of {self.max_total_num_tokens} tokens (--max-total-tokens; the model's context "
+                f"length is {self.context_len})")
         return SamplingParams(max_new_tokens=max_new, **sp.engine_fields())
 
     async def generate(self, req: SingleGenerateReq, prompt_ids: list[int] | None = None

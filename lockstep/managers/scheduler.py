@@ -127,12 +127,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
         error = None
         if n_prompt == 0:
             error = "the prompt is empty"
-        elif n_prompt + max_new > self.max_req_len:
-            error = (f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the "
-                     f"context length {self.max_req_len}")
-        elif n_prompt + max_new > self.max_total_tokens:
-            error = (f"prompt + max_new_tokens ({n_prompt + max_new}) exceeds the KV pool "
-                     f"({self.max_total_tokens} tokens)")
+        elif n_prompt + max_new > self.max_req_len:  # the smaller of the two limits
+            limit = (f"the context length {self.context_len}" if self.max_req_len == self.context_len
+                     else f"the KV pool ({self.max_total_tokens} tokens, --max-total-tokens)")
+            error = f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds {limit}"
         elif any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
             error = f"input_ids must be in [0, {self.vocab_size})"
         elif req.sampling_params.constraint is not None:
