@@ -7,8 +7,9 @@ Each test has a short form, in the default run, and a long form marked `soak` (`
   run alone, no KV leaks, RSS stays flat;
 - disconnect storm: streaming clients that hang up at random points;
 - faults: SIGKILL of each kind of child, SIGSTOP of a scheduler (the watchdog fires);
-- graceful SIGTERM, /health while starting and draining, and the request limits;
-- API fuzzing: schemathesis over the server's own /openapi.json, and hand-written hostile input.
+- graceful SIGTERM, /health while starting and draining, and the request limits.
+
+API fuzzing and hostile input (schemathesis, grammars, slow clients) are in test_hostile_inputs.py.
 
 Every server here runs a tiny random-weight model in float32, so greedy outputs are exact.
 """
@@ -25,12 +26,9 @@ import re
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -643,175 +641,3 @@ def test_limits_startup_and_graceful_sigterm(model_dir, tmp_path):
     assert not left
     assert "aborting them" in server.log_text()
     report("graceful_sigterm", grace_s=grace, exit_seconds=took, finished=2, aborted=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# API fuzzing
-
-FUZZ_ARGS = ("--context-length", "64", "--max-total-tokens", "4096", "--api-key", API_KEY,
-             "--max-request-body-bytes", str(16 << 20))
-
-
-@pytest.fixture(scope="module")
-def fuzz_server(model_dir, tmp_path_factory):
-    server = LiveServer("--model-path", model_dir, *MODEL_ARGS, *FUZZ_ARGS,
-                        log_dir=tmp_path_factory.mktemp("fuzz"))
-    yield server
-    server.stop()
-
-
-def _assert_healthy(server: LiveServer) -> None:
-    assert server.alive(), server.log_tail()
-    out = generate(server.url, "still serving", 4)
-    assert len(out["output_ids"]) == 4
-    log = server.log_text()
-    assert "Traceback" not in log and "crashed" not in log, log[-3000:]
-    assert "KV leak at idle" not in log
-
-
-SCHEMATHESIS = {SHORT: ["--phases", "examples,fuzzing,stateful", "--max-examples", "10"],
-                LONG: ["--max-examples", "300"]}
-
-
-@pytest.mark.parametrize("form", FORMS)
-def test_schemathesis_over_every_route(fuzz_server, tmp_path, form):
-    schema = requests.get(fuzz_server.url + "/openapi.json", headers=AUTH, timeout=30).json()
-    operations = sum(len(ops) for ops in schema["paths"].values())
-    assert operations >= 15 and "/generate" in schema["paths"]
-    exe = Path(sys.executable).with_name("schemathesis")
-    start = time.monotonic()
-    proc = subprocess.run(
-        [str(exe), "run", fuzz_server.url + "/openapi.json", "--checks", "not_a_server_error",
-         "-H", f"Authorization: Bearer {API_KEY}", "--request-timeout", "120", "--seed", "0",
-         "--suppress-health-check", "all", "--no-color", *SCHEMATHESIS[form]],
-        cwd=tmp_path, capture_output=True, text=True, timeout=3000)
-    took = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
-    cases = re.search(r"(\d+) generated", proc.stdout)
-    report(f"schemathesis[{form}]", operations=operations,
-           cases=int(cases.group(1)) if cases else "?", seconds=took)
-    _assert_healthy(fuzz_server)
-
-
-def _nest(depth: int, leaf: bytes = b"1") -> bytes:
-    return b"[" * depth + leaf + b"]" * depth
-
-
-SP = "sampling_params"
-HOSTILE_JSON: list[tuple[str, str, Any]] = [
-    # (name, path, body): bodies are dicts (sent as JSON) or bytes (sent as they are)
-    ("deep nesting 100k", "/generate", b'{"text": ' + _nest(100_000) + b"}"),
-    ("deep nesting body", "/v1/completions", _nest(1_000_000)),
-    ("deep nesting 900 in Any", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "a"}], "tool_choice": '
-     + b'{"a": ' * 900 + b"1" + b"}" * 900 + b"}"),
-    ("deep nesting in logit_bias", "/v1/completions",
-     b'{"prompt": "a", "logit_bias": ' + b'{"a": ' * 900 + b"1" + b"}" * 900 + b"}"),
-    ("huge int", "/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": '
-     + b"9" * 5000 + b"}}"),
-    ("huge float", "/generate", b'{"text": "a", "sampling_params": {"temperature": 1e999}}'),
-    ("NaN", "/generate", b'{"text": "a", "sampling_params": {"temperature": NaN}}'),
-    ("Infinity", "/v1/completions", b'{"prompt": "a", "top_p": -Infinity}'),
-    ("NaN string", "/generate", {"text": "a", SP: {"temperature": "NaN"}}),
-    ("top_k 2**63", "/generate", {"text": "a", SP: {"top_k": 2**63, "max_new_tokens": 2}}),
-    ("top_k 2**200", "/generate", {"text": "a", SP: {"top_k": 2**200, "max_new_tokens": 2}}),
-    ("seed 2**64", "/generate", {"text": "a", SP: {"seed": 2**64}}),
-    ("seed -2**63", "/generate", {"text": "a", SP: {"seed": -(2**63), "n": 3,
-                                                     "max_new_tokens": 2}}),
-    ("logprob_start_len 10**18", "/generate", {"text": "a b", "return_logprob": True,
-                                               "logprob_start_len": 10**18}),
-    ("temperature 1e308", "/generate", {"text": "a", SP: {"temperature": 1e308}}),
-    ("temperature 1e-308", "/generate", {"text": "a", SP: {"temperature": 1e-308}}),
-    ("repetition_penalty 1e308", "/generate", {"text": "a", SP: {"repetition_penalty": 1e308}}),
-    ("repetition_penalty 1e-308", "/generate",
-     {"text": "a", SP: {"repetition_penalty": 1e-308, "temperature": 1}}),
-    ("top_p 5e-324", "/generate", {"text": "a", SP: {"top_p": 5e-324}}),
-    ("min_p 1", "/generate", {"text": "a", SP: {"min_p": 1.0}}),
-    ("stop_token_ids int32 max", "/generate", {"text": "a", SP: {"stop_token_ids": [2**31 - 1]}}),
-    ("max_new_tokens 0 with logprobs", "/generate",
-     {"text": "a b", "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20,
-      SP: {"max_new_tokens": 0}}),
-    ("invalid UTF-8", "/generate", b'{"text": "\xff\xfe\xc3\x28"}'),
-    ("lone surrogate", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "\\udc80"}]}'),
-    ("NUL and control characters", "/generate",
-     {"text": "".join(chr(i) for i in range(32)) + "\x7f\u200b\ufeff\U0010ffff",
-      SP: {"stop": ["\x00", "\x1b[31m"]}}),
-    ("control characters in rid", "/generate", {"text": "a", "rid": "\x00\r\n\x1b[2J"}),
-    ("control characters in chat", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "\x00\x01\x02"}], "max_tokens": 4}),
-    ("10 MB text", "/generate", {"text": "a " * 5_000_000}),
-    ("10 MB prompt", "/v1/completions", {"prompt": "x" * 10_000_000, "max_tokens": 1}),
-    ("10 MB chat message", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "y" * 10_000_000}]}),
-    ("10 MB stop string", "/generate", {"text": "a", SP: {"stop": ["z" * 10_000_000]}}),
-    ("10 MB rid", "/generate", {"text": "a", "rid": "r" * 10_000_000}),
-    ("10 MB model name", "/v1/completions", {"model": "m" * 10_000_000, "prompt": "a"}),
-    ("1M input ids", "/generate", {"input_ids": [5] * 1_000_000}),
-    ("100k-prompt batch", "/generate", {"text": ["a"] * 100_000, SP: {"max_new_tokens": 1}}),
-    ("over the body limit", "/generate", b'{"text": "' + b"a" * (17 << 20) + b'"}'),
-    ("not an object", "/abort_request", b"[1, 2, 3]"),
-    ("null body", "/v1/completions", b"null"),
-    ("abort_all wrong type", "/abort_request", {"abort_all": "yes"}),
-]
-
-
-def _hostile_raw(port: int) -> list[tuple[str, bytes]]:
-    """Malformed HTTP on a raw socket: (name, bytes sent)."""
-    body = b'{"text": "a"}'
-    auth = f"Authorization: Bearer {API_KEY}\r\n".encode()
-    return [
-        ("Content-Length larger than the body",
-         b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 1000\r\n\r\n" + body),
-        ("Content-Length smaller than the body",
-         b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 3\r\n\r\n" + body),
-        ("negative Content-Length", b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: -5\r\n\r\n"),
-        ("chunked body over the limit",
-         b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Transfer-Encoding: chunked\r\n\r\n"
-         + (b"100000\r\n" + b"a" * 0x100000 + b"\r\n") * 17 + b"0\r\n\r\n"),
-        ("garbage request line", b"\x00\x01\x02 / HTTP/9.9\r\n\r\n"),
-        ("64 KB header", b"GET /get_server_info HTTP/1.1\r\nHost: x\r\n" + auth
-         + b"X-Big: " + b"a" * 65536 + b"\r\n\r\n"),
-        ("64 KB URL", b"GET /" + b"a" * 65536 + b" HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n"),
-        ("path traversal", b"GET /v1/models/../../../etc/passwd HTTP/1.1\r\nHost: x\r\n" + auth
-         + b"\r\n"),
-        ("NUL in the path", b"GET /v1/models/a%00b HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n"),
-    ]
-
-
-def _raw_status(port: int, data: bytes) -> int | None:
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        with contextlib.suppress(OSError):
-            sock.sendall(data)
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_WR)
-        reply = b""
-        with contextlib.suppress(OSError):
-            while chunk := sock.recv(65536):
-                reply += chunk
-    match = re.match(rb"HTTP/1\.[01] (\d{3})", reply)
-    return int(match.group(1)) if match else None  # None: the server closed the connection
-
-
-def test_hostile_inputs(fuzz_server):
-    server = fuzz_server
-    results = []
-    for name, path, body in HOSTILE_JSON:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        start = time.monotonic()
-        try:
-            r = requests.post(server.url + path, data=data, timeout=120,
-                              headers={**AUTH, "Content-Type": "application/json"})
-            status = r.status_code
-        except requests.ConnectionError:  # the server may refuse an oversized body mid-send
-            status = None
-        results.append((name, status, time.monotonic() - start))
-    for name, data in _hostile_raw(server.port):
-        results.append((name, _raw_status(server.port, data), 0.0))
-    server_errors = [(n, s) for n, s, _t in results if s is not None and s >= 500]
-    assert not server_errors, server_errors
-    slow = [(n, round(t, 1)) for n, s, t in results if t > 10]
-    assert not slow, f"hostile inputs that took long to refuse: {slow}"
-    report("hostile_inputs", inputs=len(results),
-           statuses=",".join(sorted({str(s) for _n, s, _t in results})))
-    _assert_healthy(server)
