@@ -143,17 +143,12 @@ def _grammar_error(c: Constraint) -> str | None:
 
 @functools.cache
 def _byte_tokenizer() -> llguidance.LLTokenizer:
-    """One token per byte and an end token (256). The front process has no llguidance tokenizer
-    (building one over a 262k vocabulary takes seconds) and needs none to run a grammar."""
-
-    class Bytes:
-        eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
-        tokens = [bytes([i]) for i in range(256)] + [b"<end>"]
-
-        def __call__(self, text: bytes) -> list[int]:
-            return list(text)
-
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()))
+    """One token per byte and an end token: the front has no llguidance tokenizer (one over a
+    262k vocabulary takes seconds to build) and needs none to run a grammar."""
+    vocab = type("Bytes", (), {"eos_token_id": 256, "bos_token_id": None,
+                               "special_token_ids": [256], "__call__": lambda _, text: list(text),
+                               "tokens": [bytes([i]) for i in range(256)] + [b"<end>"]})
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab()))
 
 
 def _probe(kind: str, grammar: str) -> str | None:
@@ -187,26 +182,16 @@ def check_schema_depth(value: Any, where: str) -> Any:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(
-            item, list) else ()
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > MAX_SCHEMA_DEPTH:
-                    raise ConstraintError(f"{where} is nested more than {MAX_SCHEMA_DEPTH} "
-                                          "levels deep, the limit")
-                stack.append((child, depth + 1))
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ConstraintError(f"{where} is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
     return value
 
 
-def _bounded_schema(value: dict[str, Any]) -> dict[str, Any]:
-    try:
-        return check_schema_depth(value, "the schema")
-    except ConstraintError as e:
-        raise ValueError(str(e)) from None
-
-
 # A JSON schema in a request body (response_format, tool parameters): depth checked at parse.
-SchemaObject = Annotated[dict[str, Any], AfterValidator(_bounded_schema)]
+SchemaObject = Annotated[dict[str, Any],
+                         AfterValidator(lambda v: check_schema_depth(v, "the schema"))]
 
 
 def json_schema_constraint(schema: dict[str, Any] | bool) -> Constraint:
