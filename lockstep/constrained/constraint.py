@@ -179,12 +179,12 @@ def clean_grammar_error(error: str) -> str:
 
 def check_schema_depth(value: Any, where: str) -> Any:
     """Raise ConstraintError when `value` nests deeper than MAX_SCHEMA_DEPTH (no recursion)."""
-    stack = [(value, 1)]
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
     while stack:
         item, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise ConstraintError(f"{where} is nested more than {MAX_SCHEMA_DEPTH} levels deep")
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        children = item.values() if isinstance(item, dict) else item
         stack += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
     return value
 
