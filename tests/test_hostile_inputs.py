@@ -39,7 +39,9 @@ from tests.test_reliability import (  # noqa: F401 - passive_openmp_threads is a
 READ_TIMEOUT = 2.0  # --timeout-request-read
 KEEP_ALIVE = 5.0  # --timeout-keep-alive
 MAX_CONNECTIONS = 100
-CONTEXT, KV_POOL = 256, 160  # a pool smaller than the context: the error must say which limit
+# A pool smaller than the context, so the error must say which limit; a context small enough
+# that a default max_new_tokens (128) is refused at once.
+CONTEXT, KV_POOL = 64, 48
 FUZZ_ARGS = ("--context-length", str(CONTEXT), "--max-total-tokens", str(KV_POOL),
              "--api-key", API_KEY, "--max-request-body-bytes", str(16 << 20),
              "--timeout-request-read", str(READ_TIMEOUT), "--timeout-keep-alive", str(KEEP_ALIVE),
@@ -184,7 +186,7 @@ def test_a_bounded_grammar_still_constrains_every_route(server):
 
 
 def test_context_and_kv_pool_limits_are_named(server):
-    r = _post(server, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 200}})
+    r = _post(server, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 50}})
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert f"KV pool of {KV_POOL} tokens" in message and f"context length is {CONTEXT}" in message
