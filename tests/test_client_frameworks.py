@@ -126,3 +126,68 @@ def test_json_schema_format_without_schema_is_400(client):
             model="default", max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "x"}})
     assert "schema is required" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# instructor and LangChain, unchanged, from a venv of their own
+
+FRAMEWORKS = ["instructor==1.17.0", "langchain-openai==1.7.4"]
+
+FRAMEWORK_PROGRAM = r'''
+import json, sys
+import instructor, openai
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+@tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return "sunny"
+
+base = sys.argv[1] + "/v1"
+ask = [{"role": "user", "content": "Name a city in Italy."}]
+out = {}
+for mode in ("JSON_SCHEMA", "TOOLS"):
+    client = instructor.from_openai(openai.OpenAI(base_url=base, api_key="none"),
+                                    mode=getattr(instructor.Mode, mode))
+    city = client.chat.completions.create(model="default", response_model=City, messages=ask,
+                                          max_tokens=64, temperature=0, max_retries=1)
+    out[mode] = city.model_dump()
+llm = ChatOpenAI(base_url=base, api_key="none", model="default", temperature=0, max_tokens=64)
+msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
+out["bind_tools"] = [c["args"] for c in msg.tool_calls]
+out["structured"] = llm.with_structured_output(City).invoke("Name a city in Italy.").model_dump()
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def frameworks_python(tmp_path_factory: pytest.TempPathFactory):
+    from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv
+
+    try:
+        return client_venv(tmp_path_factory.getbasetemp().parent, FRAMEWORKS)
+    except PackageIndexUnreachable as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.real_model
+def test_instructor_and_langchain_get_validated_objects(server, frameworks_python, tmp_path):
+    import subprocess
+
+    script = tmp_path / "frameworks.py"
+    script.write_text(FRAMEWORK_PROGRAM)
+    done = subprocess.run([frameworks_python, str(script), server.url], capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path)
+    # instructor raises IncompleteOutputException on a reply cut off by max_tokens
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("JSON_SCHEMA", "TOOLS", "structured"):
+        assert set(out[key]) == {"name", "country"} and out[key]["name"], out
+    [args] = out["bind_tools"]
+    assert set(args) == {"city"}, out  # exactly the declared argument

@@ -1,26 +1,25 @@
 """SGLang's own frontend language, unchanged, against a live lockstep server on the real default
 model: `gen(stop=...)`, `gen(regex=...)`, `gen(dtype=int)` and `select`.
 
-sglang==0.5.23 is installed with --no-deps into a venv of its own (under pytest's temporary
-root, reused by later runs), with the few packages its import needs; that venv also sees this
-interpreter's site-packages (a .pth file) for numpy, torch and requests, so nothing is installed
-into the project's environment and no CUDA torch is pulled. The test skips, saying why, only
+sglang==0.5.23 is installed with --no-deps into a venv of its own (lockstep.testing.client_venv:
+under pytest's temporary root, reused by later runs), with the few packages its import needs;
+that venv also sees this interpreter's site-packages for numpy, torch and requests, so nothing
+is installed into the project's environment and no CUDA torch is pulled. The test skips, saying why, only
 when pip cannot reach the package index."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
 import sys
 import sysconfig
-import venv
 from pathlib import Path
 
 import pytest
 import requests
 
+from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv
 from tests.test_http_generate import LiveServer, shared_real_server
 
 pytestmark = pytest.mark.real_model
@@ -28,8 +27,6 @@ pytestmark = pytest.mark.real_model
 SGLANG = "sglang==0.5.23"
 # What `import sglang` needs beyond this environment's packages (found by importing it).
 RUNTIME_NEEDS = ["pybase64", "pillow", "msgspec", "ipython", "traitlets", "triton"]
-_NO_INDEX = ("Could not find a version", "No matching distribution", "Failed to establish",
-             "Temporary failure in name resolution", "Network is unreachable", "ConnectTimeout")
 
 PROGRAM = r'''
 import json, sys
@@ -54,30 +51,15 @@ print(json.dumps({k: state[k] for k in ("answer", "date", "yes_no", "legs")}))
 
 @pytest.fixture(scope="module")
 def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Keyed by this environment: the venv links to its site-packages (the .pth below), so a
-    # venv made for another checkout's environment must not be reused.
-    env = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
-    root = tmp_path_factory.getbasetemp().parent / f"venv-{SGLANG.replace('==', '-')}-{env}"
-    python = root / "bin" / "python"
-    ready = root / "lockstep-ready"
-    if ready.exists():
-        return python
-    venv.create(root, with_pip=True, clear=True)
-    site = Path(subprocess.check_output(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-    ).strip())
-    (site / "lockstep_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    done = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", SGLANG,
-                           *RUNTIME_NEEDS], capture_output=True, text=True, timeout=1200)
-    if done.returncode != 0:
-        if any(s in done.stderr + done.stdout for s in _NO_INDEX):
-            pytest.skip(f"pip cannot reach the package index for {SGLANG}: {done.stderr[-300:]}")
-        raise AssertionError(f"pip install {SGLANG} failed:\n{done.stderr[-3000:]}")
+    root = tmp_path_factory.getbasetemp().parent
+    try:
+        python = client_venv(root, [SGLANG, *RUNTIME_NEEDS], no_deps=True, share_site=True)
+    except PackageIndexUnreachable as e:
+        pytest.skip(str(e))
     check = subprocess.run([python, "-c", "import sglang, torch; print(torch.__version__)"],
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-3000:]
     assert "+cpu" in check.stdout or "cuda" not in check.stdout, check.stdout
-    ready.write_text(SGLANG)
     return python
 
 
