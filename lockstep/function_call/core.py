@@ -84,6 +84,8 @@ class ToolCallParser(ABC):
         self._open_call = False
         self._malformed = False
         self._scanner: JsonCallScanner | None = None  # the JSON call being read
+        self._mode = "start"  # the subclass's state: "content", "block", "discard", ...
+        self._block_start = self._marker_len = 0  # where that call's marker began, its length
 
     # ---- public --------------------------------------------------------------------------
     def feed(self, text: str) -> StreamDelta:
@@ -167,10 +169,14 @@ class ToolCallParser(ABC):
         if not ok:
             self._malformed = True
 
-    def _open_json_call(self, at: int) -> None:
-        """Start reading a {"name": ..., "arguments": ...} object at `at`."""
-        self._pos = at
-        self._scanner = JsonCallScanner(self.tool_names, at, self._start_call, self._arguments)
+    def _open_json_call(self, at: int, marker_len: int = 0) -> None:
+        """Start reading a {"name": ..., "arguments": ...} object after a marker (a tag, or
+        nothing) of `marker_len` characters at `at`; the mode becomes "block"."""
+        self._mode = "block"
+        self._block_start, self._marker_len = at, marker_len
+        self._pos = at + marker_len
+        self._scanner = JsonCallScanner(self.tool_names, self._pos, self._start_call,
+                                        self._arguments)
 
     def _advance_json_call(self, final: bool) -> Status:
         """Feed the call being read. DONE: the call ended and `_pos` is past it; FAILED: not a
@@ -186,6 +192,40 @@ class ToolCallParser(ABC):
         elif status is Status.FAILED and scanner.announced:
             self._end_call(ok=False)
         return status
+
+    def _content_until(self, marker: str, final: bool) -> bool:
+        """Content up to `marker`, where a JSON call opens (mode "block"); text that may be the
+        marker's start is held back. False when more text is needed."""
+        rest = self._buf[self._pos:]
+        i = rest.find(marker)
+        if i < 0:
+            n = len(rest) - (0 if final else partial_suffix(rest, marker))
+            self._content(rest[:n])
+            self._pos += n
+            return False
+        self._content(rest[:i])
+        self._open_json_call(self._pos + i, len(marker))
+        return True
+
+    def _json_block(self, final: bool, done_mode: str) -> bool:
+        """Advance a call opened after a marker, for parsers that read content around calls:
+        once it ends, `_mode` becomes `done_mode`; broken after it was announced, "discard"
+        from where it broke; not a call at all, its marker (or first character) is content and
+        scanning resumes after it."""
+        status = self._advance_json_call(final)
+        if status is Status.MORE:
+            return False
+        if status is Status.DONE:
+            self._mode = done_mode
+        elif self._scanner is not None and self._scanner.announced:
+            self._pos = self._scanner.i
+            self._mode = "discard"
+        else:
+            n = max(1, self._marker_len)
+            self._content(self._buf[self._block_start:self._block_start + n])
+            self._pos = self._block_start + n
+            self._mode = "content"
+        return True
 
     # ---- internals -----------------------------------------------------------------------
     def _release(self, text: str) -> None:

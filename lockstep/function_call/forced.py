@@ -20,10 +20,6 @@ class CallArrayParser(ToolCallParser):
 
     name = "call_array"
 
-    def __init__(self, tool_names: Iterable[str]) -> None:
-        super().__init__(tool_names)
-        self._mode = "open"
-
     def _step(self, final: bool) -> bool:
         rest = self._buf[self._pos:]
         stripped = rest.lstrip()
@@ -37,7 +33,7 @@ class CallArrayParser(ToolCallParser):
                 self._mode = "broken"
                 self._malformed = True
             return False
-        expected = {"open": "[", "first": "{]", "next": ",]"}.get(self._mode)
+        expected = {"start": "[", "first": "{]", "next": ",]"}.get(self._mode)
         if expected is None or stripped[0] not in expected:
             self._malformed = True
             self._mode = "broken"
@@ -49,15 +45,10 @@ class CallArrayParser(ToolCallParser):
             self._mode = "broken" if self.num_calls == 0 else "done"
             self._malformed = self.num_calls == 0
         elif stripped[0] == "{":
-            self._pos -= 1
-            self._open_block()
+            self._open_json_call(self._pos - 1)
         else:  # ","
-            self._open_block()
+            self._open_json_call(self._pos)
         return True
-
-    def _open_block(self) -> None:
-        self._open_json_call(self._pos)
-        self._mode = "block"
 
     def _block(self, final: bool) -> bool:
         status = self._advance_json_call(final)

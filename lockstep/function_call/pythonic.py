@@ -31,7 +31,6 @@ class PythonicParser(ToolCallParser):
 
     def __init__(self, tool_names: Iterable[str]) -> None:
         super().__init__(tool_names)
-        self._mode = "start"
         self._list_start = 0
         self._phase = "name"
         self._keys: list[str] = []
