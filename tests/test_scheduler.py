@@ -140,7 +140,7 @@ def test_abort_in_every_stage_frees_everything(model_dir):
         sched.step()
         for req in list(sched.waiting) + list(sched.running) + ([sched.chunked_req] if sched.chunked_req else []):
             stage = ("retracted" if req.retractions and req in sched.waiting else
-                     "chunked" if req is sched.chunked_req else req.state.value)
+                     "chunked" if req is sched.chunked_req else req.phase.value)
             if stage not in seen_states and aborted < len(reqs):
                 seen_states.add(stage)
                 sched.abort(req.rid)

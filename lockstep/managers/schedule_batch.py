@@ -26,7 +26,7 @@ from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
 from lockstep.messages import TokenizedGenerateReq
 
 
-class ReqState(Enum):
+class ReqPhase(Enum):  # where a request is in the scheduler (ReqState is the front's record)
     WAITING = "waiting"
     PREFILL = "prefill"  # admitted; prompt (or a chunk of it) being computed
     DECODE = "decode"
@@ -43,7 +43,7 @@ class Req:
     top_logprobs_num: int = 0
     arrival: int = 0  # scheduler step at arrival: a logical clock, never wall time
     output_ids: list[int] = field(default_factory=list)
-    state: ReqState = ReqState.WAITING
+    phase: ReqPhase = ReqPhase.WAITING
     req_pool_idx: int | None = None
     cached_len: int = 0
     device_len: int = 0

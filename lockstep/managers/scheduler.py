@@ -19,7 +19,7 @@ import torch
 
 from lockstep.constrained import GrammarBackend, grammar_backend_for, request_matcher
 from lockstep.core import FINISH_ABORT, ForwardMode
-from lockstep.managers.schedule_batch import Req, ReqState, ScheduleBatch
+from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
 from lockstep.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
 from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
@@ -345,7 +345,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if not req.output_ids:
                 req.cached_tokens = prefix
                 self.stats.cached_tokens += prefix
-            req.state = ReqState.PREFILL
+            req.phase = ReqPhase.PREFILL
             self.waiting.remove(req)
             admitted.append(req)
             locs.append(loc)
@@ -399,7 +399,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids), r.rid))
         self.running.remove(victim)
         self._release(victim)
-        victim.state, victim.retractions = ReqState.WAITING, victim.retractions + 1
+        victim.phase, victim.retractions = ReqPhase.WAITING, victim.retractions + 1
         self.waiting.append(victim)
         self.stats.retractions += 1
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)

@@ -12,7 +12,7 @@ from lockstep.core import (
     ForwardMode,
     TokenLogprob,
 )
-from lockstep.managers.schedule_batch import Req, ReqState, ScheduleBatch
+from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.tp_worker import GenerationBatchResult
 from lockstep.messages import ReqOutput
 
@@ -40,7 +40,7 @@ class SchedulerOutputProcessorMixin:
             if not batch.samples[i]:
                 self._cache_unfinished(req)
                 continue
-            was_prefill = req.state == ReqState.PREFILL
+            was_prefill = req.phase == ReqPhase.PREFILL
             if req.sampling_params.max_new_tokens == 0:
                 self.finish(req, FINISH_LENGTH(0))
                 continue
@@ -57,7 +57,7 @@ class SchedulerOutputProcessorMixin:
                 self.finish(req, reason)
                 continue
             if was_prefill:
-                req.state = ReqState.DECODE
+                req.phase = ReqPhase.DECODE
                 self._cache_unfinished(req)
                 self.running.append(req)
             self._emit(req)
@@ -98,7 +98,7 @@ class SchedulerOutputProcessorMixin:
             self.chunked_req = None
         self._release(req)
         req.finish_reason = reason
-        req.state = ReqState.FINISHED
+        req.phase = ReqPhase.FINISHED
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
