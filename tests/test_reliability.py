@@ -558,6 +558,38 @@ def test_health_status_follows_the_phase():
     assert "shutting down" in status.unavailable()
 
 
+def test_the_startup_responder_answers_503_then_leaves_the_socket_listening():
+    from lockstep.entrypoints.middleware import ServerStatus
+    from lockstep.entrypoints.serve import StartupResponder
+    from lockstep.server_args import ServerArgs
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    responder = StartupResponder(sock, ServerStatus(), ServerArgs(timeout_request_read=1.0))
+    responder.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # its thread may still be starting: the connection waits in the backlog
+            try:
+                r = requests.post(f"http://127.0.0.1:{port}/generate", json={"text": "a"},
+                                  timeout=5)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert "starting" in r.json()["error"]["message"]
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        assert slow.recv(1024).startswith(b"HTTP/1.1 408"), "the read timeout applies"
+        slow.close()
+    finally:
+        responder.stop()
+    late = socket.create_connection(("127.0.0.1", port), timeout=5)  # still listening
+    late.close()
+    sock.close()
+
+
 def test_limits_startup_and_graceful_sigterm(model_dir, tmp_path):
     """One server: /health is 503 while it starts; the queue limit answers 503 + Retry-After;
     SIGTERM refuses new work with 503, lets short requests finish, aborts the one that would

@@ -7,13 +7,11 @@ seconds) and then ends every process; SIGINT ends them at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import uvicorn
@@ -55,58 +53,45 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _uvicorn_config(app: Any, args: ServerArgs, **overrides: Any) -> uvicorn.Config:
+    """The one HTTP stack, for the start-up 503s and for serving: uvicorn with the limits."""
+    return uvicorn.Config(**{
+        "app": app, "log_config": None, "log_level": args.log_level,
+        "access_log": args.log_level == "debug", "timeout_graceful_shutdown": 5,
+        "timeout_keep_alive": args.timeout_keep_alive, "lifespan": "on", "loop": "none",
+        "http": BoundedH11Protocol.limits(args.timeout_request_read, args.max_connections),
+        **overrides})
+
+
 class StartupResponder:
     """While the processes start: every request on the (already listening) socket gets the 503
     that `status` gives in its "starting" phase, so that load balancers and clients see
-    "starting" rather than a refused connection. A plain thread, so the launch (whose children
+    "starting" rather than a refused connection. uvicorn, with the serving limits (a client
+    slower than the read timeout gets 408), on its own thread, so the launch (whose children
     must be spawned by the main thread: PR_SET_PDEATHSIG follows the spawning thread) goes on
-    undisturbed; a client slower than `read_timeout` is dropped (each holds a thread); `stop()`
-    leaves the socket open for uvicorn."""
+    undisturbed. It serves a duplicate of the socket: `stop()` leaves it listening for the
+    real server, connections arriving meanwhile wait in its backlog."""
 
-    MAX_DRAIN_BYTES = 1 << 20
+    def __init__(self, sock: socket.socket, status: ServerStatus, args: ServerArgs) -> None:
+        async def starting(scope: Any, receive: Any, send: Any) -> None:
+            refusal = unavailable_response(status.unavailable() or "retry shortly")
+            refusal.headers["Connection"] = "close"
+            await refusal(scope, receive, send)
 
-    def __init__(self, sock: socket.socket, status: ServerStatus, read_timeout: float) -> None:
-        drain_limit = self.MAX_DRAIN_BYTES
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            timeout = read_timeout  # the socket's: a slow client once held its thread forever
-
-            def refuse(self) -> None:
-                with contextlib.suppress(ValueError, OSError):
-                    length = int(self.headers.get("Content-Length") or 0)
-                    if 0 < length <= drain_limit:
-                        self.rfile.read(length)
-                refusal = unavailable_response(status.unavailable() or "retry shortly")
-                self.send_response(refusal.status_code)
-                for name, value in refusal.headers.items():
-                    self.send_header(name, value)
-                self.send_header("Connection", "close")
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(refusal.body)
-                self.close_connection = True
-
-            do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = refuse
-
-            def log_message(self, *_args: Any) -> None:
-                pass
-
-        server = ThreadingHTTPServer(sock.getsockname()[:2], Handler, bind_and_activate=False)
-        server.socket.close()
-        server.socket = sock
-        server.daemon_threads = True
-        self.server = server
-        self.thread = threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True,
-                                       name="lockstep-startup-503")
+        # Quiet: its start and "Shutting down" are not the server's (the real Config, built after
+        # stop(), sets uvicorn's log level back).
+        self.server = uvicorn.Server(_uvicorn_config(starting, args, lifespan="off",
+                                                     log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, args=([sock.dup()],),
+                                       daemon=True, name="lockstep-startup-503")
 
     def start(self) -> StartupResponder:
         self.thread.start()
         return self
 
     def stop(self) -> None:
-        if self.thread.is_alive():
-            self.server.shutdown()  # stops accepting; the socket stays open
+        self.server.should_exit = self.server.force_exit = True  # a 503 is sent at once
+        self.thread.join()
 
 
 class DrainingServer(uvicorn.Server):
@@ -175,7 +160,7 @@ def launch_server(args: ServerArgs) -> None:
         sock = _bind(args.host, args.port)
         if args.node_rank == 0:  # answer 503 while the model loads
             sock.listen(2048)
-            responder = StartupResponder(sock, status, args.timeout_request_read).start()
+            responder = StartupResponder(sock, status, args).start()
         launched = launch_subprocesses(args)
     except LaunchError as e:
         logger.error("%s", e)
@@ -194,13 +179,9 @@ def launch_server(args: ServerArgs) -> None:
         return
     try:
         app = create_app(launched, status)
-        config = uvicorn.Config(
-            app, log_config=None, log_level=args.log_level, access_log=args.log_level == "debug",
-            timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,
-            lifespan="on", loop="none",
-            http=BoundedH11Protocol.limits(args.timeout_request_read, args.max_connections),
-        )
-        server = DrainingServer(config, status, launched)
+        if responder is not None:  # the real server takes over the socket (and uvicorn's logs)
+            responder.stop()
+        server = DrainingServer(_uvicorn_config(app, args), status, launched)
 
         async def main() -> None:
             server.loop = asyncio.get_running_loop()
@@ -218,8 +199,6 @@ def launch_server(args: ServerArgs) -> None:
 
             task = asyncio.get_running_loop().create_task(announce())
             try:
-                if responder is not None:
-                    responder.stop()  # uvicorn takes over the listening socket
                 await server.serve(sockets=[sock])
             finally:
                 task.cancel()
