@@ -54,10 +54,8 @@ def unavailable_response(message: str) -> Response:
 
 
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with the connection limits it lacks. Without them a client that
-    sent half its headers, or a body shorter than its Content-Length, held a connection (and a
-    file descriptor) forever: 300 such clients took the front from 31 to 331 open files.
-
+    """uvicorn's HTTP/1.1 protocol with the connection limits it lacks (300 clients that sent half
+    their headers, or less body than their Content-Length, held 300 files of the front forever):
     - A request must arrive whole, headers and body, within `read_timeout` s of its first byte;
       else it gets a 408 (when no response has started) and the connection is closed.
     - A connection idle before its first request is closed after the keep-alive timeout, as
@@ -92,23 +90,18 @@ class BoundedH11Protocol(H11Protocol):
                    and not self.transport.is_closing())
         if reading and self._read_timer is None:
             self._read_timer = self.loop.call_later(self.read_timeout, self._read_timed_out)
-        elif not reading:
-            self._cancel_read_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_read_timer()
-        super().connection_lost(exc)
-
-    def _cancel_read_timer(self) -> None:
-        if self._read_timer is not None:
+        elif not reading and self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        super().connection_lost(exc)
+
     def _read_timed_out(self) -> None:
-        self._read_timer = None
-        if self.transport.is_closing():
-            return
-        if self.cycle is None or not self.cycle.response_started:
+        if not self.transport.is_closing() and (self.cycle is None
+                                                or not self.cycle.response_started):
             body = orjson.dumps(error_body(
                 f"the request did not arrive whole within {self.read_timeout:g} s "
                 "(--timeout-request-read)", 408))
