@@ -21,9 +21,11 @@ def test_no_flags_give_the_defaults():
 
 def test_every_field_has_its_flag_with_help_and_a_group():
     help_text = serve_parser().format_help()
+    flat = "".join(help_text.split())  # argparse wraps the lines, also at hyphens
     for f in dataclasses.fields(ServerArgs):
         assert "--" + f.name.replace("_", "-") in help_text, f.name
         assert f.metadata["help"] and f.metadata["group"], f.name
+        assert "".join(f.metadata["help"].replace("%%", "%").split()) in flat, f.name
     assert "model options" in help_text and "parallelism options" in help_text
 
 

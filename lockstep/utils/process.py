@@ -8,6 +8,7 @@ import signal
 import socket
 
 import psutil
+import setproctitle
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -28,12 +29,7 @@ def die_with_parent() -> None:
 
 
 def set_title(title: str) -> None:
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-    except ImportError:
-        pass
+    setproctitle.setproctitle(title)
 
 
 def kill_tree(pid: int, include_self: bool = True, sig: int = signal.SIGKILL) -> None:
