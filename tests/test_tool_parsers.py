@@ -104,6 +104,9 @@ MALFORMED: list[tuple[str, str]] = [
     ("qwen25", '<tool_call>\n{"name": "search", "arguments": {"q": 1}'),  # cut off
     ("qwen25", '<tool_call>\n{"name": "search", "arguments": {"q": 1}, "extra": 2}</tool_call>'),
     ("qwen25", "a < b and <tool_ is not a tag"),
+    # Invalid escapes in a key or a name: not JSON (a hand-written scanner once raised here).
+    ("qwen25", '<tool_call>\n{"na\\qme": "search", "arguments": {}}\n</tool_call>'),
+    ("qwen25", '<tool_call>\n{"name": "sea\\qrch", "arguments": {}}\n</tool_call>'),
     ("llama3", '{"answer": 42}'),
     ("llama3", '{"name": "get_time", "parameters": [1]}'),
     ("llama3", '{"name": "get_time", "parameters": {"tz": "UTC"}'),  # cut off
