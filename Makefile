@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lockstep-installed
 
-.PHONY: serve test lint soak bench clean
+.PHONY: serve test test-fast lint soak bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/lockstep serve $(ARGS)
 
+# Everything but the soak runs: what CI runs (.ci/run).
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15 $(ARGS)
+
+# While working: unit and in-process tests, no server processes, no real model (lockstep/testing/tiers.py).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x --durations=10 -m "not server and not real_model and not soak" $(ARGS)
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -m soak $(ARGS)

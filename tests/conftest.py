@@ -1,20 +1,70 @@
+"""Fixtures the test modules share, thin over lockstep.testing (its docstring says what lives
+where), and the tiers: markers follow from the fixtures a test uses (lockstep.testing.tiers)."""
+
 from __future__ import annotations
 
-import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
-from lockstep.testing.corpus import random_prompt
+from lockstep.testing import tiers
+from lockstep.testing.live_server import API_KEY, LiveServer, real_model_server, running_engine
+from lockstep.testing.tiers import marks
 from lockstep.testing.tiny_models import TINY_ARCHS, make_tiny_model
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.configure(config)
+    tiers.guard_process_starts(config)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tiers.mark_by_fixtures(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    with tiers.running(item):
+        return (yield)
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dirs() -> dict:
+def tiny_model_dirs() -> dict[str, Path]:
+    """Every tiny architecture's HF directory, built once and cached (lockstep.testing.tiny_models)."""
     return {arch: make_tiny_model(arch) for arch in TINY_ARCHS}
 
 
-def tiny_prompts(model_dir, n: int, seed: int = 0, min_words: int = 3, max_words: int = 30) -> list[list[int]]:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rng = random.Random(seed)
-    return [tok(random_prompt(rng, rng.randint(min_words, max_words))).input_ids for _ in range(n)]
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The tiny llama's HF directory: the model most tests serve."""
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+@marks("server")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A live server of the tiny llama behind --api-key API_KEY, shared by the session; at the end
+    SIGTERM must stop it with status 0 and no child left."""
+    srv = LiveServer("--model-path", str(model_dir), "--max-total-tokens", "8192",
+                     "--api-key", API_KEY, log_dir=tmp_path_factory.mktemp("tiny-server"),
+                     startup_timeout=180)
+    yield srv
+    srv.stop_cleanly()
+
+
+@pytest.fixture(scope="session")
+@marks("server", "real_model")
+def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One server of the default model for the whole session (it is slow to load)."""
+    with real_model_server(tmp_path_factory.mktemp("real-server")) as server:
+        yield server  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+@marks("server")
+def engine(model_dir: Path) -> Iterator[Any]:
+    """An offline lockstep.Engine on the tiny llama; no process of it may outlive the module."""
+    with running_engine(model_dir, max_total_tokens=4096) as eng:
+        yield eng

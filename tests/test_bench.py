@@ -16,20 +16,14 @@ from lockstep.bench.datasets import (
     sample_random_requests,
 )
 from lockstep.bench.serving import RequestOutput, calculate_metrics, request_intervals
-from lockstep.testing.live_server import LiveServer
-from lockstep.testing.tiny_models import make_tiny_model
+from lockstep.testing.live_server import API_KEY, LiveServer
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tiny_llama() -> Path:
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama: Path):
-    return load_tokenizer(str(tiny_llama))
+def tokenizer(model_dir: Path):
+    return load_tokenizer(str(model_dir))
 
 
 # ---- datasets --------------------------------------------------------------------------------
@@ -133,11 +127,11 @@ def test_poisson_intervals() -> None:
 # ---- one_batch -------------------------------------------------------------------------------
 
 
-def test_one_batch_on_tiny_model(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+def test_one_batch_on_tiny_model(model_dir: Path, tmp_path: Path, capsys) -> None:
     from lockstep.bench import one_batch
 
     out = tmp_path / "r.jsonl"
-    rc = one_batch.main(["--model-path", str(tiny_llama), "--batch-size", "1", "2",
+    rc = one_batch.main(["--model-path", str(model_dir), "--batch-size", "1", "2",
                          "--input-len", "12", "--output-len", "4", "--hf-batch-sizes", "1", "2",
                          "--dtype", "float32", "--result-file", str(out)])
     assert rc == 0
@@ -154,22 +148,14 @@ def test_one_batch_on_tiny_model(tiny_llama: Path, tmp_path: Path, capsys) -> No
 # ---- serving client against a live server ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def live_server(tiny_llama: Path, tmp_path_factory):
-    """`python -m lockstep.launch_server` on the tiny model and a free port; ended by PID."""
-    server = LiveServer("--model-path", str(tiny_llama), "--max-total-tokens", "4096",
-                        "--dtype", "float32", log_dir=tmp_path_factory.mktemp("server"))
-    yield server.port
-    server.stop()
-
-
 @pytest.mark.parametrize("backend", ["lockstep", "openai"])
-def test_serving_client_against_live_server(live_server: int, tiny_llama: Path, tmp_path: Path,
+def test_serving_client_against_live_server(server: LiveServer, model_dir: Path, tmp_path: Path,
                                             backend: str) -> None:
     from lockstep.bench import serving
 
     out = tmp_path / "serving.jsonl"
-    rc = serving.main(["--backend", backend, "--port", str(live_server), "--tokenizer", str(tiny_llama),
+    rc = serving.main(["--backend", backend, "--port", str(server.port), "--api-key", API_KEY,
+                       "--tokenizer", str(model_dir),
                        "--num-prompts", "8", "--random-input-len", "24",
                        "--random-output-len", "6", "--random-range-ratio", "1",
                        "--max-concurrency", "4", "--ignore-eos", "--disable-tqdm",

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer
 
 from lockstep.constrained.backend import GrammarBackend
 from lockstep.constrained.constraint import json_schema_constraint
+from lockstep.testing.live_server import LiveServer
 from lockstep.testing.tiny_models import EOS_ID, TOKENIZER_VOCAB_SIZE, tiny_tokenizer_dir
-from tests.test_http_generate import LiveServer, shared_real_server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -77,15 +77,10 @@ def test_tuple_without_items_is_closed(admits):
 
 
 @pytest.fixture(scope="module")
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
-    return shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer):
+def client(real_server: LiveServer):
     import openai
 
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 COPY_PROMPT = ('A person as JSON: {"name": "Ann", "age": 31, "city": "Rome", "job": "cook"}\n'

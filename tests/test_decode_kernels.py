@@ -7,7 +7,7 @@ import torch
 
 from lockstep.kernels import decode
 from lockstep.kernels.decode import argmax, decode_attention, decode_attention_reference
-from tests.test_kernels import compiled, variant_params
+from lockstep.testing.kernels import compiled, variant_params
 
 # (query heads, KV heads, head dim): Gemma 3 270M's 4:1 at 256, 4:1 at 64, no grouping, 3:1 at 80 (not a
 # multiple of 32), the tiny test models' 16

@@ -5,35 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-import psutil
 import pytest
 
 import lockstep
+from lockstep.testing.live_server import alive_pids
 from lockstep.testing.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.server  # every test here runs an Engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPTS = ["The quick brown fox", "def add(a, b):"]
-
-
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-@pytest.fixture(scope="module")
-def engine():
-    eng = lockstep.Engine(model_path=str(make_tiny_model("llama")), max_total_tokens=4096)
-    yield eng
-    pids = eng.child_pids
-    eng.shutdown()
-    eng.shutdown()  # idempotent
-    assert not _alive(pids)
 
 
 def test_generate_single(engine):
@@ -102,8 +83,8 @@ def test_bad_input_raises_value_error(engine):
 def test_with_block_leaves_no_process():
     with lockstep.Engine(model_path=str(make_tiny_model("qwen2")), max_total_tokens=2048) as eng:
         pids = eng.child_pids
-        assert len(pids) >= 2 and len(_alive(pids)) == len(pids)
+        assert len(pids) >= 2 and len(alive_pids(pids)) == len(pids)
         assert len(eng.generate("hello", GREEDY)["output_ids"]) == 8
-    assert not _alive(pids)
+    assert not alive_pids(pids)
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate("hello", GREEDY)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.kernels import fused
-from tests.test_kernels import compiled, variant_params
+from lockstep.testing.kernels import compiled, variant_params
 
 
 def rms64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,7 +157,7 @@ def test_linear_parts_of_mixed_types_equal_each_part_alone(variant: str) -> None
     """A fused layer's parts of different block types (Gemma's q/k Q5_0 beside v Q8_0) in one call:
     each output column bitwise as that part's own `linear` gives it, at every M path."""
     from lockstep.kernels import kernel_variant, linear_parts
-    from tests.test_kernels import random_blocks
+    from lockstep.testing.kernels import random_blocks
 
     mod = compiled(variant)
     k = 768  # whole blocks of 32 and of 256

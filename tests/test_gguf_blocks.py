@@ -19,9 +19,10 @@ from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from lockstep.model_loader import resolve_model
 from lockstep.server_args import ServerArgs
+from lockstep.testing.gguf_writer import QTYPE, write_gguf
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.oracle import greedy_matches, hf_greedy
-from tests.test_loader import QTYPE, tiny_config, tiny_model, write_gguf
+from lockstep.testing.tiny_models import tiny_hf_model
 
 torch.manual_seed(0)
 
@@ -105,15 +106,11 @@ def test_a_layout_that_cannot_split_names_the_tensor_block_size_and_tp_size():
         assert part in msg, msg
 
 
+@pytest.mark.server
 def test_a_gguf_that_cannot_split_fails_at_start_with_that_error(tmp_path, monkeypatch):
     """intermediate 96 is 3 Q8_0 blocks: not whole blocks on each of 2 ranks."""
-    from transformers import AutoModelForCausalLM
-
     monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = tiny_config("qwen2")
-    cfg.intermediate_size = 96
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = tiny_hf_model("qwen2", intermediate_size=96)
     path = write_gguf(model, "qwen2", tmp_path / "odd.gguf", quantize=True)
     args = ServerArgs(model_path=str(path), tp_size=2, max_total_tokens=1024)
     with pytest.raises(Exception) as info:
@@ -130,7 +127,7 @@ def test_a_gguf_with_types_the_kernels_lack_loads_dequantized(tmp_path, monkeypa
     def qtype_of(name: str) -> gguf.GGMLQuantizationType:
         return QTYPE.Q5_1 if "ffn" in name else QTYPE.Q4_1
 
-    path = write_gguf(tiny_model("llama"), "llama", tmp_path / "q41.gguf", qtype_of=qtype_of)
+    path = write_gguf(tiny_hf_model("llama"), "llama", tmp_path / "q41.gguf", qtype_of=qtype_of)
     source = resolve_model(str(path))
     with caplog.at_level(logging.INFO, logger="lockstep.model_loader.weights"):
         sched = make_scheduler(path, max_total_tokens=2048)
@@ -143,9 +140,10 @@ def test_a_gguf_with_types_the_kernels_lack_loads_dequantized(tmp_path, monkeypa
         assert greedy_matches(got[f"r{i}"].output_ids, r), i
 
 
+@pytest.mark.server
 def test_tiny_gguf_tp2_equals_tp1(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tiny_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
+    path = write_gguf(tiny_hf_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
     prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62, 63, 64]]
     single = run_to_completion(make_scheduler(path, max_total_tokens=2048),
                                [greedy_req(f"r{i}", p, 12) for i, p in enumerate(prompts)])
@@ -199,7 +197,7 @@ def test_bfloat16_serves_blocks_on_amx_batch_invariant_and_close_to_float32(tmp_
     blocks (no float copy), a request alone equals itself in a batch bitwise, and greedy output
     starts as float32's does."""
     monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_gguf(tiny_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
+    path = write_gguf(tiny_hf_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
     calls: list[str] = []
     amx = kernels.linear_bf16
 

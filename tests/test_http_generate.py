@@ -1,105 +1,27 @@
 """SGLang's native /generate and the server's other routes, against a live `lockstep.launch_server`
-process: a tiny model (fast) behind --api-key, and the real default model for CJK/emoji streaming.
-
-`LiveServer` and `shared_real_server` are also used by test_openai_api.py."""
+process: the session's tiny-model server behind --api-key (tests/conftest.py), and the real default
+model for CJK/emoji streaming."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import signal
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import requests
 from transformers import AutoTokenizer
 
-from lockstep.testing.live_server import LiveServer
-from lockstep.testing.tiny_models import make_tiny_model
+from lockstep.testing.live_server import API_KEY, LiveServer, sse_events
 
-API_KEY = "sk-test-lockstep"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-REAL_MODEL_ARGS = ("--max-total-tokens", "16384")
-
-
-# ---------------------------------------------------------------------------------------------
-# A live server process
-
-
-class _ExternalServer:
-    """A server someone already started (LOCKSTEP_TEST_REAL_SERVER_URL=http://host:port): handy
-    when iterating on the real-model tests, which otherwise start their own."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url.rstrip("/")
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def alive(self) -> bool:
-        return True
-
-    def log_text(self) -> str:
-        return ""
-
-
-_shared: dict[tuple[str, ...], LiveServer] = {}
-
-
-def shared_real_server(config: pytest.Config, log_dir: Path) -> LiveServer:
-    """One real-model server for the whole session (it takes long to start): the modules that
-    need it share it, and it is stopped when the session ends."""
-    external = os.environ.get("LOCKSTEP_TEST_REAL_SERVER_URL")
-    if external:
-        return _ExternalServer(external)  # type: ignore[return-value]
-    server = _shared.get(REAL_MODEL_ARGS)
-    if server is None or not server.alive():
-        server = _shared[REAL_MODEL_ARGS] = LiveServer(*REAL_MODEL_ARGS, log_dir=log_dir)
-        config.add_cleanup(server.stop)
-    return server
-
-
-def sse_events(resp: requests.Response) -> list[dict[str, Any]]:
-    events, done = [], False
-    for line in resp.iter_lines():
-        if not line:
-            continue
-        assert line.startswith(b"data: "), line
-        payload = line[len(b"data: "):]
-        if payload == b"[DONE]":
-            done = True
-            break
-        events.append(json.loads(payload))
-    assert done, "stream ended without data: [DONE]"
-    return events
 
 
 # ---------------------------------------------------------------------------------------------
 # Fixtures
-
-
-@pytest.fixture(scope="module")
-def tiny_dir() -> Path:
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
-    srv = LiveServer("--model-path", str(tiny_dir), "--max-total-tokens", "8192",
-                     "--api-key", API_KEY, log_dir=tmp_path_factory.mktemp("tiny-server"),
-                     startup_timeout=180)
-    yield srv
-    # SIGTERM ends the server with status 0 and takes every child process with it.
-    children = list(srv.child_pids)
-    srv.proc.send_signal(signal.SIGTERM)
-    code = srv.proc.wait(timeout=30)
-    srv.stop()
-    assert code == 0, srv.log_tail()
-    assert not [p for p in children if psutil.pid_exists(p)
-                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +32,8 @@ def http(server: LiveServer) -> requests.Session:
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_dir)
+def tok(model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def generate(http: requests.Session, server: LiveServer, **body: Any) -> Any:
@@ -328,15 +250,15 @@ def test_api_key(server, http):
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
 
 
-def test_info_routes(http, server, tiny_dir):
+def test_info_routes(http, server, model_dir):
     info = http.get(server.url + "/get_server_info", timeout=30).json()
     assert info["max_total_num_tokens"] == 8192 and info["version"]
-    assert info["model_path"] == str(tiny_dir) and info["api_key"] != API_KEY
+    assert info["model_path"] == str(model_dir) and info["api_key"] != API_KEY
     model = http.get(server.url + "/get_model_info", timeout=30).json()
-    assert model["model_path"] == str(tiny_dir) and model["is_generation"] is True
+    assert model["model_path"] == str(model_dir) and model["is_generation"] is True
     assert http.get(server.url + "/health_generate", timeout=60).status_code == 200
     models = http.get(server.url + "/v1/models", timeout=30).json()
-    assert [m["id"] for m in models["data"]] == [str(tiny_dir)]
+    assert [m["id"] for m in models["data"]] == [str(model_dir)]
 
 
 def test_flush_cache_and_abort_route(http, server):
@@ -471,12 +393,6 @@ def test_startup_log_and_children(server):
 
 # ---------------------------------------------------------------------------------------------
 # The real model: multi-byte characters in a stream
-
-
-@pytest.fixture(scope="module")
-def real_server(request: pytest.FixtureRequest,
-                tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
-    return shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
 
 
 @pytest.mark.real_model

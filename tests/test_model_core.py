@@ -7,8 +7,7 @@ import pytest
 
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.oracle import hf_greedy, hf_prompt_logprobs
-from lockstep.testing.tiny_models import TINY_ARCHS
-from tests.conftest import tiny_prompts
+from lockstep.testing.tiny_models import TINY_ARCHS, tiny_prompts
 
 MAX_NEW = 32
 

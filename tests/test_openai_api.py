@@ -11,7 +11,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from tests.test_http_generate import LiveServer, shared_real_server
+from lockstep.testing.live_server import LiveServer
 
 pytestmark = pytest.mark.real_model
 
@@ -19,13 +19,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
-    return shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+def client(real_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0,
                          timeout=300)
 
 
@@ -35,12 +30,12 @@ def model(client: openai.OpenAI) -> str:
 
 
 @pytest.fixture(scope="module")
-def tok(server: LiveServer):
-    info = requests.get(server.url + "/get_model_info", timeout=30).json()
+def tok(real_server: LiveServer):
+    info = requests.get(real_server.url + "/get_model_info", timeout=30).json()
     return AutoTokenizer.from_pretrained(Path(info["tokenizer_path"]))
 
 
-def test_models_list(client, server):
+def test_models_list(client, real_server):
     models = client.models.list().data
     assert len(models) == 1 and models[0].object == "model" and models[0].id
     assert client.models.retrieve(models[0].id).id == models[0].id

@@ -13,13 +13,6 @@ from lockstep.messages import AbortReq
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 
-ARCH = "llama"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dirs):
-    return tiny_model_dirs[ARCH]
-
 
 def _sched(model_dir, overlap: bool, **kw):
     """Overlap is off by default on cpu (it does not pay there), so force it either way."""
@@ -231,6 +224,7 @@ def test_resolved_setting():
     assert not ServerArgs(device="cuda", pp_size=2).overlap_schedule
 
 
+@pytest.mark.server
 def test_tp2_processes_with_overlap_match_a_single_rank(model_dir):
     from lockstep.entrypoints.engine import launch_subprocesses
     from lockstep.testing.inproc import generate_through

@@ -17,7 +17,7 @@ from lockstep.managers.data_parallel_controller import Dispatcher
 from lockstep.messages import LoadReport, TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
-from tests.conftest import tiny_prompts
+from lockstep.testing.tiny_models import tiny_prompts
 
 MAX_NEW = 12
 
@@ -39,6 +39,7 @@ def _reference(model_dir, prompts):
     ("qwen3", 2, 2, 2, 10),    # 8 schedulers + DP controller + detokenizer: 11 with the front
     ("qwen2", 4, 2, 2, 18),    # 16 schedulers + DP + detokenizer: 19 with the front
 ])
+@pytest.mark.server
 def test_parallel_layouts_match_a_single_rank(arch, tp, pp, dp, children, tiny_model_dirs):
     model_dir = tiny_model_dirs[arch]
     prompts = tiny_prompts(model_dir, 6, seed=21, max_words=40)
@@ -60,6 +61,7 @@ async def _send(tm, ids: list[int], max_new: int) -> GenerateOutput:
     return last
 
 
+@pytest.mark.server
 def test_dispatch_methods_with_live_replicas(tiny_model_dirs):
     model_dir = tiny_model_dirs["llama"]
     rng = random.Random(0)

@@ -22,8 +22,8 @@ from lockstep.managers.schedule_batch import ModelWorkerBatch
 from lockstep.messages import TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
+from lockstep.testing.tiny_models import tiny_prompts
 from lockstep.utils.process import free_port
-from tests.conftest import tiny_prompts
 
 MAX_NEW = 8
 N_PROMPTS = 7  # odd, so 2 and 3 micro-batches are uneven
@@ -161,6 +161,7 @@ def _run_pipeline(tp: int, pp: int, model_dir: Any, prompts: list[list[int]],
     return got
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen3", 2)])
 def test_micro_batches_match_a_single_rank_and_are_in_flight(arch, tp, tiny_model_dirs):
     model_dir = tiny_model_dirs[arch]
@@ -181,6 +182,7 @@ def test_micro_batches_match_a_single_rank_and_are_in_flight(arch, tp, tiny_mode
                 assert stats["max_sends_in_flight"] == k
 
 
+@pytest.mark.server
 def test_real_processes_pp2_micro_batches(tiny_model_dirs):
     """The served path, scheduler processes started by the launcher, asked for micro-batches."""
     model_dir = tiny_model_dirs["gemma3"]

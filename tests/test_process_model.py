@@ -9,8 +9,9 @@ import pytest
 from lockstep.entrypoints.engine import launch_subprocesses
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
-from lockstep.testing.tiny_models import TINY_ARCHS
-from tests.conftest import tiny_prompts
+from lockstep.testing.tiny_models import TINY_ARCHS, tiny_prompts
+
+pytestmark = pytest.mark.server  # every test here launches scheduler ranks as processes
 
 MAX_NEW = 16
 

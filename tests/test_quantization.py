@@ -18,8 +18,7 @@ from lockstep.layers.quantization import QUANTIZATION_TYPES
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.oracle import greedy_matches, hf_greedy, hf_packed_weight_model
-from lockstep.testing.tiny_models import TINY_ARCHS
-from tests.conftest import tiny_prompts
+from lockstep.testing.tiny_models import TINY_ARCHS, tiny_prompts
 
 MAX_NEW = 24
 
@@ -70,6 +69,7 @@ def test_every_linear_and_the_table_are_packed(tiny_model_dirs):
     assert checked == 1 + 4 * 4  # the tied table, then qkv / o / gate_up / down of 4 layers
 
 
+@pytest.mark.server
 def test_quantized_tp2_processes_match_a_quantized_single_rank(tiny_model_dirs):
     model_dir = tiny_model_dirs["llama"]
     prompts = tiny_prompts(model_dir, 4, seed=8)
@@ -124,10 +124,11 @@ def test_auto_dtype_combines_with_quantization():
 
 
 def test_a_gguf_refuses_quantization_at_start(tmp_path, monkeypatch):
-    from tests.test_loader import tiny_model, write_gguf
+    from lockstep.testing.gguf_writer import write_gguf
+    from lockstep.testing.tiny_models import tiny_hf_model
 
     monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
-    gguf_path = write_gguf(tiny_model("qwen2"), "qwen2", tmp_path / "q.gguf")
+    gguf_path = write_gguf(tiny_hf_model("qwen2"), "qwen2", tmp_path / "q.gguf")
     with pytest.raises(ValueError, match="is a GGUF, its weights are quantized blocks already; "
                                          "drop --quantization"):
         make_scheduler(gguf_path, max_total_tokens=1024, quantization="q8_0")

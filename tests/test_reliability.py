@@ -37,7 +37,7 @@ import requests
 
 from lockstep.testing.corpus import random_prompt
 from lockstep.testing.live_server import LiveServer
-from lockstep.testing.tiny_models import make_tiny_model
+from lockstep.testing.tiers import marks
 
 SHORT, LONG = "short", "long"
 FORMS = [SHORT, pytest.param(LONG, marks=pytest.mark.soak)]
@@ -58,11 +58,6 @@ def passive_openmp_threads():
         os.environ.pop("OMP_WAIT_POLICY", None)
     else:
         os.environ["OMP_WAIT_POLICY"] = old
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(make_tiny_model("llama"))
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +312,7 @@ class RssSampler:
 
 
 @pytest.fixture(scope="module")
+@marks("server")
 def pressure_server(model_dir, tmp_path_factory):
     """A server with a KV pool small enough that 64 running requests get retracted: the soak and
     the disconnect storm both run on it. It must still exit 0 on SIGTERM afterwards."""
@@ -484,6 +480,7 @@ KILL_VICTIMS = [
 ]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("victim", KILL_VICTIMS)
 def test_sigkill_of_a_child_ends_the_server(model_dir, tmp_path, victim):
     """dp 2 x tp 2: 4 schedulers, the DP controller and the detokenizer. SIGKILL runs no Python
@@ -518,6 +515,7 @@ STOP_VICTIMS = [
 ]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("victim", STOP_VICTIMS)
 def test_sigstop_of_a_scheduler_fires_the_watchdog(model_dir, tmp_path, victim):
     """A stopped rank runs nothing, not even its own watchdog; its peer waits in a collective
@@ -622,6 +620,7 @@ def test_the_startup_responder_answers_503_then_leaves_the_socket_listening():
     sock.close()
 
 
+@pytest.mark.server
 def test_limits_startup_and_graceful_sigterm(model_dir, tmp_path):
     """One server: /health is 503 while it starts; the queue limit answers 503 + Retry-After;
     SIGTERM refuses new work with 503, lets short requests finish, aborts the one that would

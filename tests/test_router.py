@@ -33,6 +33,7 @@ from lockstep.router.policies import (
     routing_text,
 )
 from lockstep.testing.live_server import LiveServer
+from lockstep.testing.tiers import marks
 from lockstep.testing.tiny_models import make_tiny_model
 from lockstep.utils.process import free_port
 
@@ -209,6 +210,7 @@ def _start_servers(count: int, log_dir: Path) -> list[LiveServer]:
 
 
 @pytest.fixture(scope="module")
+@marks("server")
 def _pool(log_dir: Path) -> list[LiveServer]:
     pool = _start_servers(2, log_dir)
     yield pool
@@ -228,6 +230,7 @@ def servers(_pool: list[LiveServer], log_dir: Path) -> list[LiveServer]:
 
 
 @pytest.fixture
+@marks("server")
 def make_router(log_dir: Path):
     made: list[RouterProc] = []
 

@@ -12,14 +12,6 @@ from lockstep.managers.schedule_batch import Req
 from lockstep.managers.schedule_policy import order_waiting
 from lockstep.messages import AbortReq
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
-from lockstep.testing.tiny_models import make_tiny_model
-
-ARCH = "llama"
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return make_tiny_model(ARCH)
 
 
 def _random_reqs(n: int, seed: int, vocab: int = 500):

@@ -20,7 +20,6 @@ import pytest
 import requests
 
 from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv
-from tests.test_http_generate import LiveServer, shared_real_server
 
 pytestmark = pytest.mark.real_model
 
@@ -63,21 +62,16 @@ def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
-@pytest.fixture(scope="module")
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
-    return shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
-
-
-def test_sglang_program_runs_unchanged(server, sglang_python, tmp_path):
+def test_sglang_program_runs_unchanged(real_server, sglang_python, tmp_path):
     script = tmp_path / "quiz.py"
     script.write_text(PROGRAM)
-    done = subprocess.run([sglang_python, str(script), server.url], capture_output=True,
+    done = subprocess.run([sglang_python, str(script), real_server.url], capture_output=True,
                           text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     state = json.loads(done.stdout.strip().splitlines()[-1])
 
     # gen(stop="\n") is the native API's greedy text cut at the stop string.
-    plain = requests.post(server.url + "/generate", json={
+    plain = requests.post(real_server.url + "/generate", json={
         "text": "Q: What is the capital of France?\nA:",
         "sampling_params": {"max_new_tokens": 24, "temperature": 0, "stop": "\n"}},
         timeout=300).json()

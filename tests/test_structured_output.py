@@ -2,7 +2,7 @@
 the model, must produce the shape): regex, json_schema and ebnf sampling params, stop_regex,
 bad constraints, and constrained requests next to unconstrained ones.
 
-The live-server tests share the session's real-model server (tests/test_http_generate.py); the
+The live-server tests share the session's real-model server (tests/conftest.py); the
 scheduler tests drive the scheduler in process for overlap, retraction and chunked prefill."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import requests
 
 from lockstep.constrained import Constraint
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
-from tests.test_http_generate import LiveServer, shared_real_server, sse_events
+from lockstep.testing.live_server import LiveServer, sse_events
 
 pytestmark = pytest.mark.real_model
 
@@ -35,11 +35,6 @@ SCHEMA = {
 }
 EBNF = 'root ::= "Answer: " digit+ ("+" digit+)* "."\ndigit ::= [0-9]'
 EBNF_SHAPE = r"Answer: \d+(\+\d+)*\."
-
-
-@pytest.fixture(scope="module")
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
-    return shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
 
 
 def generate(server: LiveServer, text: str, **params: Any) -> dict[str, Any]:
@@ -63,45 +58,45 @@ def check_person(text: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_date_regex(server, temperature):
+def test_date_regex(real_server, temperature):
     for seed in range(3 if temperature else 1):
-        out = generate(server, "The treaty was signed on", regex=DATE, max_new_tokens=20,
+        out = generate(real_server, "The treaty was signed on", regex=DATE, max_new_tokens=20,
                        temperature=temperature, seed=seed)
         assert re.fullmatch(DATE, out["text"]), out["text"]
         assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
-def test_yes_no_regex(server):
+def test_yes_no_regex(real_server):
     for temperature in (0.0, 1.2):
-        out = generate(server, "Is water wet? Answer yes or no:", regex="(yes|no)",
+        out = generate(real_server, "Is water wet? Answer yes or no:", regex="(yes|no)",
                        max_new_tokens=5, temperature=temperature, seed=7)
         assert out["text"] in ("yes", "no")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_json_schema(server, temperature):
-    out = generate(server, "Here is a person as JSON:", json_schema=json.dumps(SCHEMA),
+def test_json_schema(real_server, temperature):
+    out = generate(real_server, "Here is a person as JSON:", json_schema=json.dumps(SCHEMA),
                    max_new_tokens=64, temperature=temperature, seed=3)
     check_person(out["text"])
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
-def test_ebnf(server):
+def test_ebnf(real_server):
     for temperature in (0.0, 1.0):
-        out = generate(server, "Sum:", ebnf=EBNF, max_new_tokens=30, temperature=temperature,
+        out = generate(real_server, "Sum:", ebnf=EBNF, max_new_tokens=30, temperature=temperature,
                        seed=11)
         assert re.fullmatch(EBNF_SHAPE, out["text"]) or out["meta_info"]["finish_reason"] == {
             "type": "length", "length": 30}, out
 
 
-def test_constraint_with_penalties_and_filters(server):
-    out = generate(server, "A date:", regex=DATE, max_new_tokens=20, temperature=0.8, top_k=20,
+def test_constraint_with_penalties_and_filters(real_server):
+    out = generate(real_server, "A date:", regex=DATE, max_new_tokens=20, temperature=0.8, top_k=20,
                    top_p=0.9, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5, seed=5)
     assert re.fullmatch(DATE, out["text"]), out["text"]
 
 
-def test_n_samples(server):
-    r = requests.post(server.url + "/generate", json={
+def test_n_samples(real_server):
+    r = requests.post(real_server.url + "/generate", json={
         "text": "Someone's birthday:",
         "sampling_params": {"regex": DATE, "max_new_tokens": 20, "temperature": 1.0, "n": 3,
                             "seed": 1}}, timeout=600)
@@ -112,24 +107,24 @@ def test_n_samples(server):
         assert re.fullmatch(DATE, o["text"]), o["text"]
 
 
-def test_streaming(server):
+def test_streaming(real_server):
     body = {"text": "Here is a person as JSON:", "stream": True,
             "sampling_params": {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 64,
                                 "temperature": 0}}
-    with requests.post(server.url + "/generate", json=body, stream=True, timeout=600) as r:
+    with requests.post(real_server.url + "/generate", json=body, stream=True, timeout=600) as r:
         assert r.status_code == 200
         events = sse_events(r)
     assert len(events) > 2
     final = events[-1]
     assert final["meta_info"]["finish_reason"]["type"] == "stop"
     check_person(final["text"])
-    plain = generate(server, "Here is a person as JSON:", json_schema=json.dumps(SCHEMA),
+    plain = generate(real_server, "Here is a person as JSON:", json_schema=json.dumps(SCHEMA),
                      max_new_tokens=64, temperature=0)
     assert final["text"] == plain["text"]
 
 
-def test_grammar_that_cannot_finish_ends_with_length(server):
-    out = generate(server, "Count:", regex="[0-9]{50}", max_new_tokens=8, temperature=0)
+def test_grammar_that_cannot_finish_ends_with_length(real_server):
+    out = generate(real_server, "Count:", regex="[0-9]{50}", max_new_tokens=8, temperature=0)
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
     assert re.fullmatch("[0-9]+", out["text"]), out["text"]
 
@@ -138,9 +133,9 @@ def test_grammar_that_cannot_finish_ends_with_length(server):
 # Constrained next to unconstrained
 
 
-def test_mixed_batch_leaves_unconstrained_bitwise_equal(server):
+def test_mixed_batch_leaves_unconstrained_bitwise_equal(real_server):
     free_prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
-    alone = [generate(server, p, max_new_tokens=16, temperature=0)["output_ids"]
+    alone = [generate(real_server, p, max_new_tokens=16, temperature=0)["output_ids"]
              for p in free_prompts]
     constrained = [
         ("A date:", {"regex": DATE}), ("Is it raining? ", {"regex": "(yes|no)"}),
@@ -153,7 +148,7 @@ def test_mixed_batch_leaves_unconstrained_bitwise_equal(server):
     jobs = [(p, {"max_new_tokens": 16, "temperature": 0}) for p in free_prompts]
     jobs += [(p, {"max_new_tokens": 64, "temperature": 0, **c}) for p, c in constrained]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda j: generate(server, j[0], **j[1]), jobs))
+        outs = list(pool.map(lambda j: generate(real_server, j[0], **j[1]), jobs))
     assert [o["output_ids"] for o in outs[:3]] == alone
     for (_, c), o in zip(constrained, outs[3:]):
         if "regex" in c and c["regex"] == DATE:
@@ -171,15 +166,15 @@ def test_mixed_batch_leaves_unconstrained_bitwise_equal(server):
 # stop_regex
 
 
-def test_stop_regex_trims_or_keeps(server):
+def test_stop_regex_trims_or_keeps(real_server):
     prompt = "List of years: 1999, 2000, 2001,"
-    full = generate(server, prompt, max_new_tokens=24, temperature=0)["text"]
+    full = generate(real_server, prompt, max_new_tokens=24, temperature=0)["text"]
     m = re.search(r"20\d\d", full)
     assert m, f"the model's own continuation has no year to stop at: {full!r}"
-    cut = generate(server, prompt, max_new_tokens=24, temperature=0, stop_regex=r"20\d\d")
+    cut = generate(real_server, prompt, max_new_tokens=24, temperature=0, stop_regex=r"20\d\d")
     assert cut["text"] == full[:m.start()]
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"20\d\d"}
-    kept = generate(server, prompt, max_new_tokens=24, temperature=0, stop_regex=[r"20\d\d", "zzz"],
+    kept = generate(real_server, prompt, max_new_tokens=24, temperature=0, stop_regex=[r"20\d\d", "zzz"],
                     no_stop_trim=True)
     assert kept["text"] == full[:m.end()]
     assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"20\d\d"}
@@ -225,20 +220,20 @@ def test_grammar_limits_admit_real_constraints_and_refuse_unbounded_ones():
     ({"custom_params": {"k": 1}}, ["custom_params", "not supported"]),
     ({"structural_tag": "{}"}, ["structural_tag", "not supported"]),
 ])
-def test_bad_constraints_are_400(server, params, words):
+def test_bad_constraints_are_400(real_server, params, words):
     for stream in (False, True):
-        r = requests.post(server.url + "/generate", json={
+        r = requests.post(real_server.url + "/generate", json={
             "text": "Hi", "stream": stream, "sampling_params": {"max_new_tokens": 4, **params}},
             timeout=120)
         assert r.status_code == 400, r.text
         for w in words:
             assert w in r.text, r.text
-    assert generate(server, "Hi", max_new_tokens=2, regex="(ok)")["text"] == "ok"
+    assert generate(real_server, "Hi", max_new_tokens=2, regex="(ok)")["text"] == "ok"
 
 
-def test_sampling_seed_is_seed(server):
-    a = generate(server, "Hello", max_new_tokens=8, temperature=1.0, sampling_seed=42)
-    b = generate(server, "Hello", max_new_tokens=8, temperature=1.0, seed=42)
+def test_sampling_seed_is_seed(real_server):
+    a = generate(real_server, "Hello", max_new_tokens=8, temperature=1.0, sampling_seed=42)
+    b = generate(real_server, "Hello", max_new_tokens=8, temperature=1.0, seed=42)
     assert a["output_ids"] == b["output_ids"]
 
 
@@ -303,10 +298,10 @@ def test_scheduler_modes_agree(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def client(server: LiveServer):
+def client(real_server: LiveServer):
     import openai
 
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 def test_chat_response_format_json_schema(client):
@@ -378,7 +373,7 @@ def test_openai_bad_constraints(client):
             response_format={"type": "structural_tag"})
 
 
-def test_model_names(client, server):
+def test_model_names(client, real_server):
     import openai
 
     served = client.models.list().data[0].id
@@ -405,12 +400,12 @@ def readme_examples() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("index", range(len(readme_examples())))
-def test_readme_example_runs(server, index, tmp_path):
+def test_readme_example_runs(real_server, index, tmp_path):
     import subprocess
     import sys
 
     lang, code = readme_examples()[index]
-    code = code.replace(README_URL, server.url)
+    code = code.replace(README_URL, real_server.url)
     if lang == "bash":
         cmd = ["bash", "-euo", "pipefail", "-c", code.replace("curl ", "curl -sS --fail-with-body ", 1)]
     else:
@@ -432,14 +427,14 @@ def test_readme_example_runs(server, index, tmp_path):
 # Tensor parallelism: every rank advances its own matcher; the lockstep check stays green
 
 
-def test_tp2_equals_tp1_for_constrained_requests(server, tmp_path):
+def test_tp2_equals_tp1_for_constrained_requests(real_server, tmp_path):
     jobs = [("The treaty was signed on", {"regex": DATE}),
             ("Here is a person as JSON:", {"json_schema": json.dumps(SCHEMA)}),
             ("Sum:", {"ebnf": EBNF}),
             ("A person:", {"json_schema": json.dumps(SCHEMA), "temperature": 0.8, "seed": 3}),
             ("Once upon a time", {})]
     jobs = [(p, {"max_new_tokens": 48, "temperature": 0, **c}) for p, c in jobs]
-    tp1 = [generate(server, p, **c) for p, c in jobs]
+    tp1 = [generate(real_server, p, **c) for p, c in jobs]
     tp2 = LiveServer("--tp-size", "2", "--max-total-tokens", "8192", "--enable-lockstep-check", "1",
                      log_dir=tmp_path)
     try:

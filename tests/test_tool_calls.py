@@ -31,8 +31,8 @@ from lockstep.entrypoints.openai.tool_calls import (
     template_message,
 )
 from lockstep.testing.live_server import LiveServer
+from lockstep.testing.tiers import marks
 from lockstep.testing.tiny_models import make_tiny_model
-from tests.test_http_generate import shared_real_server
 
 
 @functools.cache
@@ -276,6 +276,7 @@ def _streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[dict], st
 
 
 @pytest.fixture(scope="module")
+@marks("server")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     # Qwen2 family: its Qwen-style (ChatML) template renders the tools, and qwen25 parses "auto".
     srv = LiveServer("--model-path", str(make_tiny_model("qwen2")), "--chat-template", "chatml",
@@ -400,10 +401,8 @@ def test_bad_tool_input_is_400(client: openai.OpenAI, changes: dict, message: st
 
 
 @pytest.fixture(scope="module")
-def real_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-                ) -> openai.OpenAI:
-    server = shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+def real_client(real_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0,
                          timeout=300)
 
 

@@ -1,14 +1,20 @@
-"""A live `python -m lockstep.launch_server` process for tests: a free port, waited for on
-/health, stopped by its PID (SIGTERM, then SIGKILL), never by name."""
+"""Live lockstep processes for tests: a `python -m lockstep.launch_server` process (a free port,
+waited for on /health, stopped by its PID: SIGTERM, then SIGKILL, never by name), the real-model
+server one test session shares, an offline `Engine` that must leave no process behind, and SSE
+parsing of a streamed reply."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import requests
@@ -89,3 +95,94 @@ class LiveServer:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
                 psutil.Process(pid).wait(timeout=10)
         self._log.close()
+
+    def stop_cleanly(self) -> None:
+        """SIGTERM must end the server with status 0 and take every child process with it."""
+        children = list(self.child_pids)
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        self.stop()
+        assert code == 0, self.log_tail()
+        assert not alive_pids(children), f"children outlived the server: {alive_pids(children)}"
+
+
+# The session's tiny-model server (tests/conftest.py's `server`) sits behind this key, so that the
+# tests of --api-key and the tests of everything else share one server start.
+API_KEY = "sk-test-lockstep"
+
+
+# The default (real) model's server: started once per test session, since loading the model takes
+# long; the modules that need it share it (tests/conftest.py's `real_server`).
+REAL_MODEL_ARGS = ("--max-total-tokens", "16384")
+# A server someone already started (http://host:port): handy when iterating on the real-model
+# tests, which otherwise start their own.
+EXTERNAL_REAL_SERVER_ENV = "LOCKSTEP_TEST_REAL_SERVER_URL"
+
+
+class ExternalServer:
+    """A server at `url` that this test run did not start and does not stop."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def alive(self) -> bool:
+        return True
+
+    def log_text(self) -> str:
+        return ""
+
+
+@contextlib.contextmanager
+def real_model_server(log_dir: Path) -> Iterator[LiveServer | ExternalServer]:
+    external = os.environ.get(EXTERNAL_REAL_SERVER_ENV)
+    if external:
+        yield ExternalServer(external)
+        return
+    server = LiveServer(*REAL_MODEL_ARGS, log_dir=log_dir)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def alive_pids(pids: list[int]) -> list[int]:
+    """The processes of `pids` still running (a zombie counts as gone)."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+    return out
+
+
+@contextlib.contextmanager
+def running_engine(model_path: Path | str, **kwargs: Any) -> Iterator[Any]:
+    """An offline `lockstep.Engine`; on exit it shuts down (twice: shutdown is idempotent) and
+    none of its processes may outlive it."""
+    import lockstep
+
+    engine = lockstep.Engine(model_path=str(model_path), **kwargs)
+    try:
+        yield engine
+    finally:
+        pids = engine.child_pids
+        engine.shutdown()
+        engine.shutdown()
+    assert not alive_pids(pids), f"engine processes outlived shutdown(): {alive_pids(pids)}"
+
+
+def sse_events(resp: requests.Response) -> list[dict[str, Any]]:
+    """The JSON events of a server-sent-event stream, which must end with `data: [DONE]`."""
+    events, done = [], False
+    for line in resp.iter_lines():
+        if not line:
+            continue
+        assert line.startswith(b"data: "), line
+        payload = line[len(b"data: "):]
+        if payload == b"[DONE]":
+            done = True
+            break
+        events.append(json.loads(payload))
+    assert done, "stream ended without data: [DONE]"
+    return events

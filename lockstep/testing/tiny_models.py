@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lockstep.testing.corpus import corpus_text
+from lockstep.testing.corpus import corpus_text, random_prompt
 from lockstep.utils.cache import cache_dir
 
 # Bump whenever the corpus, the tokenizer recipe or any tiny config / init changes.
@@ -285,14 +286,14 @@ def _model_key(arch: str, seed: int, dtype: torch.dtype, overrides: dict[str, An
     return f"{arch}-s{seed}-{_dtype_name(dtype)}-{TINY_VERSION}-{digest}"
 
 
-def _write_model(
-    arch: str, out: Path, seed: int, dtype: torch.dtype, overrides: dict[str, Any], tok_dir: Path
-) -> None:
+def tiny_hf_model(arch: str, seed: int = 0, **config_overrides: Any) -> torch.nn.Module:
+    """The tiny random-weight transformers model of ``arch`` in float32, in memory (what
+    ``make_tiny_model`` saves; tests that write their own files, e.g. GGUFs, start from it)."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_overrides),
+                                             dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1_000_003)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -300,7 +301,13 @@ def _write_model(
                 p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * ONE_D_NOISE)
             if arch == "gemma3":
                 _gemma3_tweak(name, p)
-    model = model.to(dtype)
+    return model.eval()
+
+
+def _write_model(
+    arch: str, out: Path, seed: int, dtype: torch.dtype, overrides: dict[str, Any], tok_dir: Path
+) -> None:
+    model = tiny_hf_model(arch, seed, **overrides).to(dtype)
     model.config.dtype = dtype
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
@@ -355,3 +362,13 @@ def make_tiny_model(
         return Path(out_dir)
     root = tiny_cache_dir(cache_root)
     return _publish(root / _model_key(arch, seed, dtype, config_overrides), build)
+
+
+def tiny_prompts(model_dir: Path, n: int, seed: int = 0, min_words: int = 3,
+                 max_words: int = 30) -> list[list[int]]:
+    """``n`` token-id prompts of the built-in corpus's words, in ``model_dir``'s tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    return [tok(random_prompt(rng, rng.randint(min_words, max_words))).input_ids for _ in range(n)]

