@@ -20,8 +20,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15 $(ARGS)
 
 # While working: unit and in-process tests, no server processes, no real model (lockstep/testing/tiers.py).
+# One OpenMP thread: the tiny models' matmuls gain nothing from two, and on a busy machine two threads
+# waiting on each other made these tests ~5x slower and tripled their CPU time (measured).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x --durations=10 -m "not server and not real_model and not soak" $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x --durations=10 -m "not server and not real_model and not soak" $(ARGS)
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -m soak $(ARGS)

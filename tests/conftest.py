@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lockstep.testing import tiers
+from lockstep.testing import kernels, tiers
 from lockstep.testing.live_server import API_KEY, LiveServer, real_model_server, running_engine
 from lockstep.testing.tiers import marks
 from lockstep.testing.tiny_models import TINY_ARCHS, make_tiny_model
@@ -60,6 +60,13 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     """One server of the default model for the whole session (it is slow to load)."""
     with real_model_server(tmp_path_factory.mktemp("real-server")) as server:
         yield server  # type: ignore[misc]
+
+
+@pytest.fixture(scope="session")
+@marks("real_model")
+def default_gguf() -> Any:
+    """The default model's GGUF (a gguf.GGUFReader): its real blocks, for the kernel tests."""
+    return kernels.default_gguf()
 
 
 @pytest.fixture(scope="module")

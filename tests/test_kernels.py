@@ -11,7 +11,6 @@ from lockstep.kernels import dequantize, quantize, row_bytes
 from lockstep.testing.kernels import (
     assert_batch_invariant,
     compiled,
-    default_gguf,
     random_blocks,
     variant_params,
 )
@@ -70,16 +69,16 @@ def test_row_bytes_and_shape_errors() -> None:
         quantize("Q4_K", torch.zeros(1, 256))
 
 
-def gguf_tensors_by_type() -> dict[str, list]:
+def gguf_tensors_by_type(reader) -> dict[str, list]:
     out: dict[str, list] = {}
-    for t in default_gguf().tensors:
+    for t in reader.tensors:
         out.setdefault(t.tensor_type.name, []).append(t)
     return out
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_dequantize_matches_gguf_on_the_default_model(qtype: str) -> None:
-    tensors = gguf_tensors_by_type()[qtype]
+def test_dequantize_matches_gguf_on_the_default_model(qtype: str, default_gguf) -> None:
+    tensors = gguf_tensors_by_type(default_gguf)[qtype]
     for t in (tensors[0], tensors[-1]):
         rows = torch.from_numpy(np.array(t.data[:96]))
         n_cols = int(t.shape[0])
@@ -157,9 +156,9 @@ def test_variants_agree_bitwise() -> None:
 
 
 @pytest.mark.parametrize("variant", variant_params())
-def test_default_gguf_head_262k(variant: str) -> None:
+def test_default_gguf_head_262k(variant: str, default_gguf) -> None:
     """The tied 262144 x 640 Q8_0 head of the default model, at batch 1 and as a row of a batch."""
-    t = next(t for t in default_gguf().tensors if t.name == "token_embd.weight")
+    t = next(t for t in default_gguf.tensors if t.name == "token_embd.weight")
     head = torch.from_numpy(np.array(t.data))
     mod = compiled(variant)
     x = torch.randn(3, 640)
