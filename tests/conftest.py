@@ -9,25 +9,15 @@ from typing import Any
 
 import pytest
 
-from lockstep.testing import kernels, tiers
+from lockstep.testing import kernels
 from lockstep.testing.live_server import API_KEY, LiveServer, real_model_server, running_engine
-from lockstep.testing.tiers import marks
+from lockstep.testing.tiers import (  # noqa: F401 - the tiers' pytest hooks, registered here
+    marks,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_protocol,
+)
 from lockstep.testing.tiny_models import TINY_ARCHS, make_tiny_model
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    tiers.configure(config)
-    tiers.guard_process_starts(config)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    tiers.mark_by_fixtures(items)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    with tiers.running(item):
-        return (yield)
 
 
 @pytest.fixture(scope="session")

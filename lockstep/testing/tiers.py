@@ -15,9 +15,8 @@ but soak.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.context
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -31,6 +30,7 @@ MARKERS = {
     "soak": "long-form reliability runs, only under `make soak`",
 }
 _ATTR = "__lockstep_test_marks__"
+_RUNNING = pytest.StashKey["pytest.Item | None"]()  # the test running now (set-up included)
 
 
 def marks(*names: str) -> Callable[[F], F]:
@@ -46,12 +46,26 @@ def marks(*names: str) -> Callable[[F], F]:
     return wrap
 
 
-def configure(config: pytest.Config) -> None:
+# The hooks below are pytest's: tests/conftest.py imports them, which registers them.
+
+
+def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
+    guard_process_starts(config)
 
 
-def mark_by_fixtures(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    config = item.config
+    config.stash[_RUNNING] = item
+    try:
+        return (yield)
+    finally:
+        config.stash[_RUNNING] = None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
@@ -60,9 +74,6 @@ def mark_by_fixtures(items: list[pytest.Item]) -> None:
             for fixturedef in defs:
                 for name in getattr(fixturedef.func, _ATTR, ()):
                     item.add_marker(name)
-
-
-_RUNNING = pytest.StashKey["pytest.Item | None"]()
 
 
 def _guarded(config: pytest.Config, what: str, start: Callable[..., Any]) -> Callable[..., Any]:
@@ -84,12 +95,3 @@ def guard_process_starts(config: pytest.Config) -> None:
     spawn = multiprocessing.context.SpawnProcess
     spawn.start = _guarded(config, "spawned processes", spawn.start)  # type: ignore[method-assign]
     LiveServer.__init__ = _guarded(config, "a live server", LiveServer.__init__)  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def running(item: pytest.Item) -> Iterator[None]:
-    item.config.stash[_RUNNING] = item
-    try:
-        yield
-    finally:
-        item.config.stash[_RUNNING] = None
