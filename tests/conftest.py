@@ -44,6 +44,16 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     srv.stop_cleanly()
 
 
+@pytest.fixture(scope="module")
+def passive_openmp_threads() -> Iterator[None]:
+    """The servers a module starts get OpenMP threads that sleep instead of spinning while they
+    wait. On a shared, oversubscribed machine (CI, a suite beside other test runs) spinning made a
+    tiny-model decode step about 10x slower; the reliability suites measure survival, not speed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        yield
+
+
 @pytest.fixture(scope="session")
 @marks("server", "real_model")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:

@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from lockstep.testing.live_server import LiveServer
-from tests.test_reliability import (  # noqa: F401 - passive_openmp_threads is an autouse fixture
+from lockstep.testing.reliability import (
     API_KEY,
     AUTH,
     FORMS,
@@ -32,9 +32,11 @@ from tests.test_reliability import (  # noqa: F401 - passive_openmp_threads is a
     MODEL_ARGS,
     SHORT,
     generate,
-    passive_openmp_threads,
     report,
 )
+from lockstep.testing.tiers import marks
+
+pytestmark = pytest.mark.usefixtures("passive_openmp_threads")
 
 READ_TIMEOUT = 2.0  # --timeout-request-read
 KEEP_ALIVE = 5.0  # --timeout-keep-alive
@@ -49,10 +51,9 @@ FUZZ_ARGS = ("--context-length", str(CONTEXT), "--max-total-tokens", str(KV_POOL
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from lockstep.testing.tiny_models import make_tiny_model
-
-    server = LiveServer("--model-path", str(make_tiny_model("llama")), *MODEL_ARGS, *FUZZ_ARGS,
+@marks("server")
+def server(model_dir, tmp_path_factory):
+    server = LiveServer("--model-path", str(model_dir), *MODEL_ARGS, *FUZZ_ARGS,
                         log_dir=tmp_path_factory.mktemp("hostile"))
     yield server
     server.stop()

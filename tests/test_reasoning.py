@@ -22,6 +22,7 @@ from lockstep.entrypoints.openai.reasoning_parser import (
     reasoning_format,
 )
 from lockstep.testing.live_server import LiveServer
+from lockstep.testing.tiers import marks
 from lockstep.testing.tiny_models import make_tiny_model
 
 QWEN3 = reasoning_format("qwen3")
@@ -105,6 +106,7 @@ def literal(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
+@marks("server")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     logs = tmp_path_factory.mktemp("reasoning")
     template = Path(logs) / "qwen3.jinja"

@@ -37,27 +37,19 @@ import requests
 
 from lockstep.testing.corpus import random_prompt
 from lockstep.testing.live_server import LiveServer
+from lockstep.testing.reliability import (
+    API_KEY,
+    AUTH,
+    FORMS,
+    LONG,
+    MODEL_ARGS,
+    SHORT,
+    generate,
+    report,
+)
 from lockstep.testing.tiers import marks
 
-SHORT, LONG = "short", "long"
-FORMS = [SHORT, pytest.param(LONG, marks=pytest.mark.soak)]
-API_KEY = "sk-reliability"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MODEL_ARGS = ("--dtype", "float32")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def passive_openmp_threads():
-    """The servers' OpenMP threads sleep instead of spinning while they wait. On a shared,
-    oversubscribed machine (CI, this suite beside other test runs) spinning made a tiny-model
-    decode step about 10x slower; these tests measure survival, not speed."""
-    old = os.environ.get("OMP_WAIT_POLICY")
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    yield
-    if old is None:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    else:
-        os.environ["OMP_WAIT_POLICY"] = old
+pytestmark = pytest.mark.usefixtures("passive_openmp_threads")
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +57,6 @@ def tokenizer(model_dir: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def report(name: str, **figures: Any) -> None:
-    """Print the figures a test measured (shown with -s; docs/reliability.md records them)."""
-    shown = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                      for k, v in figures.items())
-    print(f"\n[reliability] {name}: {shown}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,14 +107,6 @@ def kill_leftovers(pids: list[int]) -> None:
             p = psutil.Process(pid)
             p.send_signal(signal.SIGCONT)
             p.kill()
-
-
-def generate(url: str, text: str = "hello there", max_new: int = 8, **extra: Any) -> dict:
-    r = requests.post(url + "/generate", headers=AUTH, timeout=120, json={
-        "text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
-                                          "ignore_eos": True}, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def wait_scheduler_idle(url: str, timeout: float = 60.0) -> None:

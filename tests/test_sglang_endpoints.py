@@ -15,21 +15,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from lockstep.testing.live_server import LiveServer
-from lockstep.testing.tiny_models import make_tiny_model
-from tests.test_http_generate import shared_real_server
+from lockstep.testing.tiers import marks
 
 SERVED = "tiny-llama"
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def tiny_dir() -> Path:
-    return make_tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
-    srv = LiveServer("--model-path", str(tiny_dir), "--served-model-name", SERVED,
+@marks("server")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
+    srv = LiveServer("--model-path", str(model_dir), "--served-model-name", SERVED,
                      "--max-total-tokens", "8192", "--log-level", "warning",
                      log_dir=tmp_path_factory.mktemp("sglang-endpoints"), startup_timeout=300)
     yield srv
@@ -37,34 +32,34 @@ def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServ
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_dir)
+def tok(model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def post(server: LiveServer, path: str, body: Any) -> requests.Response:
     return requests.post(server.url + path, json=body, timeout=60)
 
 
-def test_server_and_model_info(server, tiny_dir):
+def test_server_and_model_info(server, model_dir):
     for path in ("/server_info", "/get_server_info"):
         info = requests.get(server.url + path, timeout=30).json()
-        assert info["model_path"] == str(tiny_dir) and info["served_model_name"] == SERVED
-        assert info["tokenizer_path"] == str(tiny_dir)
+        assert info["model_path"] == str(model_dir) and info["served_model_name"] == SERVED
+        assert info["tokenizer_path"] == str(model_dir)
         assert info["tp_size"] == 1 and info["dp_size"] == 1 and info["version"]
         assert info["max_total_num_tokens"] == 8192
     for path in ("/model_info", "/get_model_info"):
         model = requests.get(server.url + path, timeout=30).json()
-        assert model["model_path"] == str(tiny_dir) and model["served_model_name"] == SERVED
-        assert model["tokenizer_path"] == str(tiny_dir) and model["is_generation"] is True
+        assert model["model_path"] == str(model_dir) and model["served_model_name"] == SERVED
+        assert model["tokenizer_path"] == str(model_dir) and model["is_generation"] is True
         assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]
     assert [m["id"] for m in requests.get(server.url + "/v1/models").json()["data"]] == [SERVED]
 
 
 @pytest.mark.real_model
-def test_default_model_identity(request, tmp_path_factory):
+def test_default_model_identity(real_server):
     """No --model-path: the bundled GGUF is the model path and gemma-3-270m the served name (both
     were null, and SGLang's router registered the server as model "unknown")."""
-    real = shared_real_server(request.config, tmp_path_factory.mktemp("real-server"))
+    real = real_server
     info = requests.get(real.url + "/server_info", timeout=30).json()
     assert info["model_path"].endswith(".gguf") and Path(info["model_path"]).is_file()
     assert info["served_model_name"] == "gemma-3-270m"
