@@ -34,7 +34,7 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 @marks("server")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def llama_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A live server of the tiny llama behind --api-key API_KEY, shared by the session; at the end
     SIGTERM must stop it with status 0 and no child left."""
     srv = LiveServer("--model-path", str(model_dir), "--max-total-tokens", "8192",

@@ -149,12 +149,12 @@ def test_one_batch_on_tiny_model(model_dir: Path, tmp_path: Path, capsys) -> Non
 
 
 @pytest.mark.parametrize("backend", ["lockstep", "openai"])
-def test_serving_client_against_live_server(server: LiveServer, model_dir: Path, tmp_path: Path,
+def test_serving_client_against_live_server(llama_server: LiveServer, model_dir: Path, tmp_path: Path,
                                             backend: str) -> None:
     from lockstep.bench import serving
 
     out = tmp_path / "serving.jsonl"
-    rc = serving.main(["--backend", backend, "--port", str(server.port), "--api-key", API_KEY,
+    rc = serving.main(["--backend", backend, "--port", str(llama_server.port), "--api-key", API_KEY,
                        "--tokenizer", str(model_dir),
                        "--num-prompts", "8", "--random-input-len", "24",
                        "--random-output-len", "6", "--random-range-ratio", "1",

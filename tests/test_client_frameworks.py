@@ -172,12 +172,12 @@ def frameworks_python(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.real_model
-def test_instructor_and_langchain_get_validated_objects(server, frameworks_python, tmp_path):
+def test_instructor_and_langchain_get_validated_objects(real_server, frameworks_python, tmp_path):
     import subprocess
 
     script = tmp_path / "frameworks.py"
     script.write_text(FRAMEWORK_PROGRAM)
-    done = subprocess.run([frameworks_python, str(script), server.url], capture_output=True,
+    done = subprocess.run([frameworks_python, str(script), real_server.url], capture_output=True,
                           text=True, timeout=900, cwd=tmp_path)
     # instructor raises IncompleteOutputException on a reply cut off by max_tokens
     assert done.returncode == 0, done.stderr[-4000:]

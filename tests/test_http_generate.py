@@ -25,6 +25,11 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
+def server(llama_server: LiveServer) -> LiveServer:
+    return llama_server
+
+
+@pytest.fixture(scope="module")
 def http(server: LiveServer) -> requests.Session:
     s = requests.Session()
     s.headers.update(AUTH)

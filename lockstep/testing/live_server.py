@@ -106,7 +106,7 @@ class LiveServer:
         assert not alive_pids(children), f"children outlived the server: {alive_pids(children)}"
 
 
-# The session's tiny-model server (tests/conftest.py's `server`) sits behind this key, so that the
+# The session's tiny-model server (tests/conftest.py's `llama_server`) sits behind this key, so that the
 # tests of --api-key and the tests of everything else share one server start.
 API_KEY = "sk-test-lockstep"
 
