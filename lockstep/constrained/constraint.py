@@ -1,9 +1,10 @@
 """A request's output constraint, and its check before any token is generated.
 
-The check needs no tokenizer (llguidance validates a grammar on its own), so the front process
-runs it before dispatch: a bad regex, schema or grammar is a 400 that names the problem, and a
+The check needs the model's tokenizer no more than llguidance does (it validates a grammar, and
+runs its first bytes over a byte vocabulary), so the front process runs it before dispatch: a
+bad, unbounded or unsatisfiable regex, schema or grammar is a 400 that names the problem, and a
 streaming request fails before its stream starts. The scheduler compiles the same text again
-against the vocabulary; that compile cannot fail where this check passed.
+against the vocabulary, under the same limits.
 """
 
 from __future__ import annotations
