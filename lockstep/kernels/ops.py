@@ -89,14 +89,16 @@ def linear_bf16(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) 
     Both operands are rounded to bfloat16 (the weights after exact dequantization), products are
     summed in float32. Compiled (AMX) it is still batch invariant, as `linear` is, and several times
     faster than `linear` at batch 32; the numbers differ from `linear`'s by bfloat16 rounding, so
-    callers offer it behind a flag. The fallback is torch's bfloat16 matmul (not batch invariant).
+    callers offer it behind a flag. The fallback is a float32 matmul of the bf16-rounded operands (not batch invariant).
     """
     check_blocks(qtype, blocks, n_cols)
     _check_x(x, n_cols)
     xb = x.to(torch.bfloat16).contiguous()
     if has_bf16_kernel(qtype) and _compiled_serves(x, blocks, n_cols):
         return selected()[1].linear_amx_bf16(xb, blocks, qtype, n_cols)
-    return (xb @ dequantize(qtype, blocks, n_cols).to(torch.bfloat16).T).float()
+    # float32 sums of the bf16-rounded operands: a bf16 matmul would round its output to bfloat16
+    # too (an error of 0.09 at K=256, which failed the reference on every CPU without AMX).
+    return xb.float() @ dequantize(qtype, blocks, n_cols).to(torch.bfloat16).float().T
 
 
 def has_int8_kernel(qtype: str) -> bool:
