@@ -2,9 +2,10 @@
 # Issue 7's serving workloads against one server at a time, the same client and prompts for all.
 #   benchmarks/serving_side_by_side.sh KIND ROUND [WORKLOAD ...]
 # KIND: lockstep | lockstep-avx2 (the AVX2 kernels forced) | lockstep-int8 (--int8-activations) |
-#       lockstep-bf16 | lockstep-noradix |
-#       llama-server | llama-cpp-python
-# WORKLOAD: wbatch wsingle wprefix scale (default: all four)
+#       lockstep-bf16 | lockstep-noradix | lockstep-spec (--speculative-algorithm NGRAM) |
+#       llama-server | llama-server-SPEC (--spec-type SPEC: ngram-simple, ngram-mod, ngram-map-k,
+#       ngram-cache, as `llama-server --help` lists them) | llama-cpp-python
+# WORKLOAD: wbatch wsingle wprefix scale wedit (default: the first four)
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
 # a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
 # Results: JSON lines appended to $OUT, tagged "KIND|WORKLOAD|ROUND"; server logs in $LOGDIR.
@@ -24,7 +25,10 @@ case $KIND in
   lockstep-int8) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --int8-activations); BACKEND=lockstep ;;
   lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --dtype bfloat16); BACKEND=lockstep ;;
   lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache); BACKEND=lockstep ;;
+  lockstep-spec) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --speculative-algorithm NGRAM); BACKEND=lockstep ;;
   llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 49152 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
+  llama-server-*) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 49152 -np 32 -cb --port "$PORT"
+                       --spec-type "${KIND#llama-server-}"); BACKEND=openai ;;
   llama-cpp-python) CMD=("${LLAMA_CPP_PYTHON:?set LLAMA_CPP_PYTHON}" -m llama_cpp.server --model "$GGUF"
                          --n_threads 2 --interrupt_requests False --logits_all False --n_ctx 4096 --port "$PORT")
                     BACKEND=openai ;;
@@ -45,7 +49,7 @@ run() {
   echo "== $KIND $tag round $ROUND (load $(cut -d' ' -f1 /proc/loadavg))"
   "$PY" -m lockstep.bench.serving --backend $BACKEND --port "$PORT" --ignore-eos --disable-tqdm \
       --output-file "$OUT" --tag "$KIND|$tag|$ROUND" "$@" 2>&1 \
-    | grep -E "Successful|Failed req|duration|Output token|Median TTFT|Median ITL|Prefix cache"
+    | grep -E "Successful|Failed req|duration|Output token|Per-user|Median TTFT|Mean TPOT|Median ITL|Prefix cache|Accept length"
 }
 for w in $WORKLOADS; do
   case $w in
@@ -61,6 +65,9 @@ for w in $WORKLOADS; do
                --random-input-len 128 --random-output-len 64 --random-range-ratio 1 \
                --max-concurrency $c --seed $(( 10 + c ))
            done ;;
+    # Issue 22: a ~300-token corpus passage to repeat or lightly edit; the answer copies the prompt.
+    wedit) run W-edit --dataset-name edit --num-prompts 6 --edit-passage-len 300 --edit-output-len 256 \
+              --max-concurrency 1 --seed 4 ;;
     *) echo "unknown workload $w"; exit 2 ;;
   esac
 done

@@ -4,7 +4,7 @@ Prompts are runs of the corpus (``lockstep.testing.corpus``) cut to an exact tok
 server's own tokenizer. Lengths count every token the server sees, the <bos> its tokenizer adds
 included, so ``--random-input-len 256`` means 256 prompt tokens in the server's usage report.
 
-Two datasets, with SGLang ``bench_serving``'s names and semantics:
+Two datasets with SGLang ``bench_serving``'s names and semantics, and one of lockstep's own:
 
 * ``random``: per request an input length drawn uniformly from
   ``[max(1, int(input_len * range_ratio)), input_len]`` and likewise an output length; SGLang's
@@ -12,6 +12,10 @@ Two datasets, with SGLang ``bench_serving``'s names and semantics:
 * ``generated-shared-prefix``: ``num_groups`` system prompts of ``system_prompt_len`` tokens,
   each followed by ``prompts_per_group`` different questions of ``question_len`` tokens;
   requests are shuffled with the seed.
+* ``edit`` (issue 22's W-edit): a corpus passage of ``edit_passage_len`` tokens after an
+  instruction to repeat it or lightly edit it, rendered with the model's chat template, so most of
+  the answer repeats the prompt: the workload where n-gram speculation pays (code edits, RAG
+  answers with quotes).
 """
 
 from __future__ import annotations
@@ -153,6 +157,47 @@ def sample_generated_shared_prefix_requests(
     return rows
 
 
+# Repeat or lightly edit: the answer copies the passage, with small changes in the last two.
+EDIT_INSTRUCTIONS = (
+    "Repeat the following passage word for word, and nothing else.",
+    "Copy the passage below exactly as it is written.",
+    "Rewrite the passage below with the same words, correcting any typos you find.",
+    "Repeat the passage below, but write every number in words.",
+)
+
+
+def _render_user_turn(tokenizer: Any, user: str) -> str:
+    """`user` as one chat turn in the model's template, without the <bos> the server adds (both
+    servers get the same text, so the prompts match token for token); plain text if none."""
+    import json
+    from pathlib import Path
+
+    from lockstep.entrypoints.openai.chat_templates import render_chat, resolve_chat_template
+
+    config_path = Path(tokenizer.name_or_path) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    template = resolve_chat_template(None, tokenizer.chat_template, config.get("model_type", ""),
+                                     config.get("architectures") or [])
+    if template is None:
+        return user + "\n\n"
+    text = render_chat(tokenizer, template, [{"role": "user", "content": user}])
+    bos = tokenizer.bos_token or ""
+    return text[len(bos):] if bos and text.startswith(bos) else text
+
+
+def sample_edit_requests(tokenizer: Any, num_prompts: int, passage_len: int, output_len: int,
+                         seed: int = 1) -> list[DatasetRow]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_prompts):
+        passage, _ = corpus_text_of_len(tokenizer, rng, passage_len, special=False)
+        text = _render_user_turn(tokenizer, f"{EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)]}"
+                                            f"\n\n{passage}")
+        ids = tokenizer(text).input_ids
+        rows.append(DatasetRow(text, len(ids), output_len, ids))
+    return rows
+
+
 def get_dataset(args: Any, tokenizer: Any) -> list[DatasetRow]:
     """Rows for parsed bench_serving-style args (see `add_dataset_args`)."""
     if args.dataset_name == "random":
@@ -162,12 +207,15 @@ def get_dataset(args: Any, tokenizer: Any) -> list[DatasetRow]:
         return sample_generated_shared_prefix_requests(
             tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
             args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, args.seed)
+    if args.dataset_name == "edit":
+        return sample_edit_requests(tokenizer, args.num_prompts, args.edit_passage_len,
+                                    args.edit_output_len, args.seed)
     raise ValueError(f"unknown dataset {args.dataset_name!r}")
 
 
 def add_dataset_args(parser: Any) -> None:
     parser.add_argument("--dataset-name", default="random",
-                        choices=["random", "generated-shared-prefix"],
+                        choices=["random", "generated-shared-prefix", "edit"],
                         help="Built-in deterministic datasets (no downloads).")
     parser.add_argument("--num-prompts", type=int, default=1000,
                         help="Requests in the random dataset (default: 1000).")
@@ -180,6 +228,9 @@ def add_dataset_args(parser: Any) -> None:
     parser.add_argument("--gsp-system-prompt-len", type=int, default=2048)
     parser.add_argument("--gsp-question-len", type=int, default=128)
     parser.add_argument("--gsp-output-len", type=int, default=256)
+    parser.add_argument("--edit-passage-len", type=int, default=300,
+                        help="Tokens of the passage the edit dataset asks to repeat or edit.")
+    parser.add_argument("--edit-output-len", type=int, default=256)
     parser.add_argument("--tokenizer", default=None,
                         help="Tokenizer for exact prompt lengths: HF dir, GGUF file, or unset for "
                              "the default model's.")

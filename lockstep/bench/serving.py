@@ -16,7 +16,8 @@ native route, ``usage.completion_tokens`` on OpenAI routes (asked for with
 ``stream_options.include_usage``; the generated text is tokenized when a server sends none).
 Metrics as SGLang computes them: TTFT = first token's arrival; ITL = gaps between chunks, a chunk
 of k tokens counting as k gaps of 1/k its time (native) or one gap per chunk (OpenAI, as SGLang);
-TPOT = (E2E - TTFT) / (output tokens - 1).
+TPOT = (E2E - TTFT) / (output tokens - 1). Speculation sends tokens in bursts (median ITL about 0),
+so per-user tok/s (tokens / E2E per request, averaged) and mean TPOT say what a user sees.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -38,6 +40,8 @@ import numpy as np
 AIOHTTP_TIMEOUT_S = 6 * 60 * 60
 BACKENDS = ("lockstep", "sglang", "vllm", "openai")
 NATIVE_BACKENDS = ("lockstep", "sglang")
+# The arguments of each dataset, recorded with its results (by their name's prefix).
+DATASET_ARGS = {"random": "random_", "generated-shared-prefix": "gsp_", "edit": "edit_"}
 
 
 @dataclass
@@ -62,10 +66,7 @@ class RequestOutput:
     start_time: float = 0.0  # s since the benchmark started
     error: str = ""
     cached_tokens: int | None = None  # prompt tokens the server took from its prefix cache
-
-
-# ----------------------------------------------------------------------------------------------
-# Clients
+    spec_verify_ct: int | None = None  # verify passes with a draft, where the server says (SGLang)
 
 
 async def _sse_events(response: Any) -> AsyncIterator[str]:
@@ -126,6 +127,8 @@ async def request_native(session: Any, url: str, req: RequestInput, headers: dic
                     out.prompt_len = meta["prompt_tokens"]
                 if meta.get("cached_tokens") is not None:
                     out.cached_tokens = meta["cached_tokens"]
+                if meta.get("spec_verify_ct") is not None:
+                    out.spec_verify_ct = meta["spec_verify_ct"]
         out.latency = time.perf_counter() - st
         out.generated_text, out.output_len = text, last_n
         out.success = last_n > 0 or req.output_len == 0
@@ -198,10 +201,6 @@ async def request_openai(session: Any, url: str, req: RequestInput, headers: dic
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Metrics
-
-
 @dataclass
 class BenchmarkMetrics:
     completed: int
@@ -235,6 +234,10 @@ class BenchmarkMetrics:
     # Of the prompt tokens of requests whose server reported it, the share served from its
     # prefix cache; None when no server said.
     prefix_cache_hit_rate: float | None = None
+    # Mean over requests of output tokens / E2E: one user's rate, what speculation changes.
+    per_user_output_throughput: float = 0.0
+    # Output tokens per verify pass (SGLang's accept length), where the server reports the passes.
+    spec_accept_length: float | None = None
 
 
 def _stats(xs: list[float]) -> tuple[float, float, float, float]:
@@ -258,6 +261,8 @@ def calculate_metrics(outputs: list[RequestOutput], duration_s: float) -> Benchm
     reported = [o for o in ok if o.cached_tokens is not None and o.prompt_len > 0]
     hit_rate = (sum(o.cached_tokens for o in reported) / sum(o.prompt_len for o in reported)
                 if reported else None)
+    spec = [o for o in ok if o.spec_verify_ct]
+    accept = sum(o.output_len for o in spec) / sum(o.spec_verify_ct for o in spec) if spec else None
     return BenchmarkMetrics(
         completed=len(ok), failed=len(outputs) - len(ok), duration_s=duration_s,
         total_input=total_in, total_output=total_out,
@@ -272,6 +277,9 @@ def calculate_metrics(outputs: list[RequestOutput], duration_s: float) -> Benchm
         max_itl_ms=float(itl_ms.max()),
         mean_e2e_latency_ms=e[0], median_e2e_latency_ms=e[1], std_e2e_latency_ms=e[2],
         p99_e2e_latency_ms=e[3], prefix_cache_hit_rate=hit_rate,
+        per_user_output_throughput=float(np.mean([o.output_len / o.latency for o in ok
+                                                  if o.latency > 0] or [0.0])),
+        spec_accept_length=accept,
     )
 
 
@@ -291,11 +299,14 @@ def format_metrics(m: BenchmarkMetrics, backend: str, request_rate: float,
         f"{'Request throughput (req/s):':<{w}}{m.request_throughput:>10.2f}",
         f"{'Input token throughput (tok/s):':<{w}}{m.input_throughput:>10.2f}",
         f"{'Output token throughput (tok/s):':<{w}}{m.output_throughput:>10.2f}",
+        f"{'Per-user output throughput (tok/s):':<{w}}{m.per_user_output_throughput:>10.2f}",
         f"{'Total token throughput (tok/s):':<{w}}{m.total_throughput:>10.2f}",
         f"{'Concurrency:':<{w}}{m.concurrency:>10.2f}",
     ]
     if m.prefix_cache_hit_rate is not None:
         rows.append(f"{'Prefix cache hit rate:':<{w}}{m.prefix_cache_hit_rate:>10.3f}")
+    if m.spec_accept_length is not None:
+        rows.append(f"{'Accept length (tokens per verify):':<{w}}{m.spec_accept_length:>10.2f}")
 
     def section(title: str, name: str, label: str, extra: tuple[str, ...] = ()) -> None:
         rows.append("{s:{c}^{n}}".format(s=title, n=w + 10, c="-"))
@@ -312,16 +323,17 @@ def format_metrics(m: BenchmarkMetrics, backend: str, request_rate: float,
     return "\n".join(rows)
 
 
-# ----------------------------------------------------------------------------------------------
-# The run
-
-
 def request_intervals(n: int, rate: float, seed: int) -> list[float]:
     """Gaps before each request: Poisson arrivals at `rate` req/s (all zero for inf)."""
     if rate == float("inf") or rate <= 0:
         return [0.0] * n
     rng = random.Random(seed)
     return [rng.expovariate(rate) for _ in range(n)]
+
+
+def _endpoint(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
+    base = args.base_url.rstrip("/") if args.base_url else f"http://{args.host}:{args.port}"
+    return base, {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 async def benchmark(args: argparse.Namespace, rows: list[Any], tokenizer: Any,
@@ -331,10 +343,9 @@ async def benchmark(args: argparse.Namespace, rows: list[Any], tokenizer: Any,
 
     from lockstep.bench.datasets import DatasetRow, corpus_text_of_len
 
-    base = args.base_url.rstrip("/") if args.base_url else f"http://{args.host}:{args.port}"
+    base, headers = _endpoint(args)
     native = args.backend in NATIVE_BACKENDS
     url = base + ("/generate" if native else "/v1/completions")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     extra = json.loads(args.extra_request_body) if args.extra_request_body else {}
     text, n = corpus_text_of_len(tokenizer, random.Random(f"warmup-{args.seed}"),
                                  min(64, rows[0].prompt_len))
@@ -395,23 +406,13 @@ async def _server_model(args: argparse.Namespace) -> str | None:
         return args.model
     import aiohttp
 
-    base = args.base_url.rstrip("/") if args.base_url else f"http://{args.host}:{args.port}"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base, headers = _endpoint(args)
     try:
         async with aiohttp.ClientSession() as s, s.get(base + "/v1/models", headers=headers) as r:
             data = await r.json(content_type=None)
         return data["data"][0]["id"]
     except Exception:  # noqa: BLE001 - many servers take any model name
         return "default"
-
-
-def _loadavg() -> float | None:
-    try:
-        import os
-
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -461,9 +462,9 @@ def main(argv: list[str] | None = None) -> int:
         model = await _server_model(args)
         return await benchmark(args, rows, tokenizer, model)
 
-    load_start = _loadavg()
+    load_start = round(os.getloadavg()[0], 2)
     metrics, outputs = asyncio.run(run())
-    load_end = _loadavg()
+    load_end = round(os.getloadavg()[0], 2)
     print(format_metrics(metrics, args.backend, args.request_rate, args.max_concurrency))
     errors = [o.error for o in outputs if not o.success]
     if errors:
@@ -473,15 +474,12 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "tag": args.tag, "backend": args.backend, "dataset_name": args.dataset_name,
             "num_prompts": len(rows), "request_rate": args.request_rate,
-            "max_concurrency": args.max_concurrency,
-            "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
-            "random_range_ratio": args.random_range_ratio, "seed": args.seed,
+            "max_concurrency": args.max_concurrency, "seed": args.seed,
+            **{k: v for k, v in vars(args).items() if k.startswith(DATASET_ARGS[args.dataset_name])},
             **asdict(metrics),
             # 1-minute load average before and after: on a shared machine, the context of a figure
             "load_avg_start": load_start, "load_avg_end": load_end,
         }
-        if args.dataset_name == "generated-shared-prefix":
-            record.update({k: getattr(args, k) for k in vars(args) if k.startswith("gsp_")})
         if args.output_details:
             record["requests"] = [
                 {"prompt_len": o.prompt_len, "output_len": o.output_len, "ttft": o.ttft,
