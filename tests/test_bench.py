@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from lockstep.bench.datasets import (
+    EDIT_INSTRUCTIONS,
     load_tokenizer,
+    sample_edit_requests,
     sample_generated_shared_prefix_requests,
     sample_random_requests,
 )
@@ -69,6 +71,20 @@ def test_shared_prefix_dataset(tokenizer) -> None:
         assert len(tokenizer(r.prompt).input_ids) == r.prompt_len
 
 
+def test_edit_dataset_asks_to_repeat_a_passage_in_the_chat_template(tokenizer) -> None:
+    rows = sample_edit_requests(tokenizer, 5, 60, 32, seed=3)
+    assert [r.prompt for r in rows] == [r.prompt for r in sample_edit_requests(tokenizer, 5, 60, 32, 3)]
+    assert len({r.prompt for r in rows}) == 5
+    for i, r in enumerate(rows):
+        # One user turn in the tokenizer's template (the tiny model's is ChatML), the reply's next.
+        assert r.prompt.startswith(f"<|im_start|>user\n{EDIT_INSTRUCTIONS[i % 4]}\n\n")
+        assert r.prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        # One <bos>, the one the server adds: the template's own is not sent twice.
+        assert r.input_ids == tokenizer(r.prompt).input_ids and r.prompt_len == len(r.input_ids)
+        assert r.input_ids.count(tokenizer.bos_token_id) == 1
+        assert r.output_len == 32 and 60 < r.prompt_len < 60 + 60
+
+
 # ---- metrics ---------------------------------------------------------------------------------
 
 
@@ -100,6 +116,15 @@ def test_metrics_hand_computed() -> None:
     assert m.mean_e2e_latency_ms == pytest.approx(550.0)
     assert m.median_e2e_latency_ms == pytest.approx(550.0)
     assert m.prefix_cache_hit_rate is None  # no server said
+    assert m.per_user_output_throughput == pytest.approx((5 / 0.5 + 3 / 0.6) / 2)
+    assert m.spec_accept_length is None  # no server said
+
+
+def test_spec_accept_length_is_tokens_per_verify_pass_of_requests_that_report_it() -> None:
+    outs = [RequestOutput(success=True, output_len=30, latency=1.0, spec_verify_ct=10),
+            RequestOutput(success=True, output_len=20, latency=1.0, spec_verify_ct=5),
+            RequestOutput(success=True, output_len=500, latency=1.0)]  # not reported
+    assert calculate_metrics(outs, duration_s=3.0).spec_accept_length == pytest.approx(50 / 15)
 
 
 def test_prefix_cache_hit_rate_counts_only_requests_that_report_it() -> None:
@@ -168,6 +193,22 @@ def test_serving_client_against_live_server(llama_server: LiveServer, model_dir:
     assert record["mean_ttft_ms"] > 0 and record["mean_itl_ms"] > 0
     if backend == "lockstep":  # the native route reports cached prompt tokens
         assert 0 <= record["prefix_cache_hit_rate"] < 1
+
+
+def test_serving_client_edit_workload(live_server: int, tiny_llama: Path, tmp_path: Path) -> None:
+    from lockstep.bench import serving
+
+    out = tmp_path / "edit.jsonl"
+    rc = serving.main(["--port", str(live_server), "--tokenizer", str(tiny_llama), "--dataset-name",
+                       "edit", "--num-prompts", "3", "--edit-passage-len", "40", "--edit-output-len",
+                       "5", "--max-concurrency", "1", "--ignore-eos", "--disable-tqdm",
+                       "--output-file", str(out)])
+    record = json.loads(out.read_text())
+    assert rc == 0 and (record["completed"], record["total_output"]) == (3, 15)
+    assert (record["edit_passage_len"], record["edit_output_len"]) == (40, 5)
+    assert "random_input_len" not in record  # only the arguments of the dataset that ran
+    # One user at a time: each request's tokens over its own E2E, so at least the overall rate.
+    assert record["per_user_output_throughput"] >= record["output_throughput"] > 0
 
 
 def test_cli_dispatches_benchmarks(capsys) -> None:
