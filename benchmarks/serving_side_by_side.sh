@@ -5,7 +5,8 @@
 #       lockstep-bf16 | lockstep-noradix | lockstep-spec (--speculative-algorithm NGRAM) |
 #       llama-server | llama-server-SPEC (--spec-type SPEC: ngram-simple, ngram-mod, ngram-map-k,
 #       ngram-cache, as `llama-server --help` lists them) | llama-cpp-python
-# WORKLOAD: wbatch wsingle wprefix scale wedit (default: the first four)
+# WORKLOAD: wbatch wsingle wprefix scale (default: all four)
+#   also: wedit (issue 22's W-edit: repeat or lightly edit a passage; where speculation pays)
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
 # a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
 # Results: JSON lines appended to $OUT, tagged "KIND|WORKLOAD|ROUND"; server logs in $LOGDIR.

@@ -3,8 +3,8 @@
     python benchmarks/side_by_side_summary.py serving_side_by_side.jsonl [--peer llama-server]
 
 Each row is one server kind and workload (rounds side by side); the ratio columns divide lockstep's
-figure by the peer's from the same round: median ITL (lower is better), output tok/s and per-user
-output tok/s (higher is better). Load averages before and after each run are printed, since they are
+figure by the peer's from the same round: median ITL and median TTFT (lower is better), output tok/s
+and per-user output tok/s (higher is better). Load averages before and after each run are printed, since they are
 a figure's context.
 
 Where the file holds a `lockstep-spec` kind, a second table gives issue 22's figures: per-user tok/s
@@ -52,15 +52,16 @@ def _same_round(rounds: dict[str, dict], rnd: str) -> dict | None:
 
 def peer_table(runs: dict[tuple[str, str], dict[str, dict]], peer: str) -> list[str]:
     out = ["| server | workload | round | median ITL ms | mean TPOT ms | output tok/s | per-user tok/s "
-           f"| median TTFT ms | load | ITL / {peer} | tok/s / {peer} | per-user / {peer} |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"| median TTFT ms | load | ITL / {peer} | tok/s / {peer} | per-user / {peer} | TTFT / {peer} |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (kind, workload), rounds in sorted(runs.items()):
         for rnd, rec in sorted(rounds.items()):
             base = None if kind == peer else _same_round(runs.get((peer, workload), {}), rnd)
             itl, tps = rec["median_itl_ms"], rec["output_throughput"]
-            ratios = ("-", "-", "-") if base is None else (
+            ratios = ("-",) * 4 if base is None else (
                 _ratio(itl, base["median_itl_ms"]), _ratio(tps, base["output_throughput"]),
-                _ratio(_per_user(rec), _per_user(base)))
+                _ratio(_per_user(rec), _per_user(base)),
+                _ratio(rec["median_ttft_ms"], base["median_ttft_ms"]))
             out.append(f"| {kind} | {workload} | {rnd} | {itl:.1f} | {rec['mean_tpot_ms']:.1f} | "
                        f"{tps:.1f} | {_fmt(_per_user(rec))} | {rec['median_ttft_ms']:.0f} | "
                        f"{rec['load_avg_start']:.1f}-{rec['load_avg_end']:.1f} | " + " | ".join(ratios)
