@@ -195,11 +195,13 @@ def test_serving_client_against_live_server(llama_server: LiveServer, model_dir:
         assert 0 <= record["prefix_cache_hit_rate"] < 1
 
 
-def test_serving_client_edit_workload(live_server: int, tiny_llama: Path, tmp_path: Path) -> None:
+def test_serving_client_edit_workload(llama_server: LiveServer, model_dir: Path,
+                                      tmp_path: Path) -> None:
     from lockstep.bench import serving
 
     out = tmp_path / "edit.jsonl"
-    rc = serving.main(["--port", str(live_server), "--tokenizer", str(tiny_llama), "--dataset-name",
+    rc = serving.main(["--port", str(llama_server.port), "--api-key", API_KEY,
+                       "--tokenizer", str(model_dir), "--dataset-name",
                        "edit", "--num-prompts", "3", "--edit-passage-len", "40", "--edit-output-len",
                        "5", "--max-concurrency", "1", "--ignore-eos", "--disable-tqdm",
                        "--output-file", str(out)])
