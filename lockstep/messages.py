@@ -26,8 +26,8 @@ class TokenizedGenerateReq:
 
 @dataclass
 class AbortReq:
-    """Stop a request and free its KV: a client gone, a stop string the detokenizer matched (the
-    client already has its finish), or the server shutting down (`reason` says why)."""
+    """Stop a request and free its KV: a client gone, or the server shutting down (`reason` says
+    why)."""
 
     rid: str
     reason: FINISH_ABORT = FINISH_ABORT()
@@ -59,9 +59,12 @@ class ReqOutput:
     input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     dp_rank: int = 0  # which data-parallel replica served it
-    # The detokenizer needs the stop strings and special-token settings (first output only).
-    sampling_params: SamplingParams | None = None
-    # The detokenizer's: the text these tokens add (a stop string it matched sets the finish).
+    # What the detokenizer needs of the request: (skip_special_tokens, spaces_between_special_tokens).
+    decode_options: tuple[bool, bool] = (True, True)
+    # Stop strings (checked in the scheduler): how many characters of the output's text are final,
+    # holding back what could still become a stop, or cut at the stop matched. None: all of it.
+    text_limit: int | None = None
+    # The detokenizer's: the text these tokens add.
     text_delta: str = ""
 
 

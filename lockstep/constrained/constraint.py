@@ -221,15 +221,3 @@ def constraint_from_fields(regex: str | None, json_schema: str | None,
     c = Constraint(*given[0])
     validate_constraint(c)
     return c
-
-
-def check_stop_regex(patterns: list[str]) -> list[str]:
-    """stop_regex patterns must compile (they are searched with the `regex` module)."""
-    import regex
-
-    for p in patterns:
-        try:
-            regex.compile(p)
-        except regex.error as e:
-            raise ConstraintError(f"stop_regex {p!r} is not a valid regular expression: {e}") from None
-    return patterns

@@ -39,7 +39,8 @@ import pydantic
 
 from lockstep.configs.model_config import ModelConfig
 from lockstep.core import FINISH_ABORT
-from lockstep.detokenizer.detokenizer_manager import load_tokenizer, run_detokenizer_process
+from lockstep.detokenizer.detokenizer_manager import run_detokenizer_process
+from lockstep.detokenizer.incremental_detokenizer import load_tokenizer
 from lockstep.entrypoints.errors import format_validation_error
 from lockstep.entrypoints.fanout import Fanout, run_to_completion, start_stream
 from lockstep.entrypoints.generate_request import GenerateReqInput

@@ -20,7 +20,6 @@ import zmq.asyncio
 
 from lockstep.core import (
     FINISH_ABORT,
-    FINISH_MATCHED_STR,
     BaseFinishReason,
     SamplingParams,
     TokenLogprob,
@@ -188,31 +187,19 @@ class TokenizerManager:
         return list(ids)
 
     async def tokenize(self, req: SingleGenerateReq) -> list[int]:
-        if req.input_ids is not None:
-            return self.check_ids(req.input_ids, "input_ids")
+        if req.input_ids is not None:  # the scheduler checks them against its vocabulary
+            return list(req.input_ids)
         return await self.tokenize_text(req.text or "")
 
     def to_sampling_params(self, sp: SamplingParamsModel, prompt_len: int) -> SamplingParams:
-        room = self.context_len - prompt_len
+        """The scheduler checks the prompt and max_new_tokens against its context and KV pool
+        (a 400 as the request's first output); --max-prompt-tokens is the front's own limit."""
         # Unset: as many as fit, in the context and in the KV pool (which may be smaller).
         fits = min(self.context_len, self.max_total_num_tokens) - prompt_len
         max_new = sp.max_new_tokens if sp.max_new_tokens is not None else max(fits, 0)
-        if prompt_len == 0:
-            raise RequestError("the prompt is empty")
-        if prompt_len >= self.context_len:
-            raise RequestError(f"the prompt has {prompt_len} tokens; the context length is {self.context_len}")
-        if prompt_len > self.max_prompt_tokens:
+        if self.args.max_prompt_tokens and prompt_len > self.args.max_prompt_tokens:
             raise RequestError(f"the prompt has {prompt_len} tokens; this server accepts at most "
-                               f"{self.max_prompt_tokens} (--max-prompt-tokens)")
-        if max_new > room:
-            raise RequestError(
-                f"max_new_tokens ({max_new}) + prompt ({prompt_len} tokens) exceeds the context "
-                f"length {self.context_len}; at most {room} new tokens fit")
-        if prompt_len + max_new > self.max_total_num_tokens:  # a pool smaller than the context
-            raise RequestError(
-                f"max_new_tokens ({max_new}) + prompt ({prompt_len} tokens) exceeds the KV pool "
-                f"of {self.max_total_num_tokens} tokens (--max-total-tokens; the model's context "
-                f"length is {self.context_len})")
+                               f"{self.args.max_prompt_tokens} (--max-prompt-tokens)")
         return SamplingParams(max_new_tokens=max_new, **sp.engine_fields())
 
     async def generate(self, req: SingleGenerateReq, prompt_ids: list[int] | None = None
@@ -306,10 +293,6 @@ class TokenizerManager:
                 return
             if isinstance(msg, BatchStrOut):
                 for out in msg.outputs:
-                    if isinstance(out.finish_reason, FINISH_MATCHED_STR):
-                        # The detokenizer matched a stop string: the scheduler, which has not
-                        # finished the request, must stop it and free its KV.
-                        await self.abort(out.rid)
                     state = self.states.get(out.rid)
                     if state is not None:
                         state.queue.put_nowait(out)

@@ -23,6 +23,7 @@ import torch
 from lockstep.constrained import GrammarMatcher
 from lockstep.core import BaseFinishReason, ForwardBatch, ForwardMode, SamplingParams, TokenLogprob
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
+from lockstep.managers.stop_checker import StopChecker
 from lockstep.messages import TokenizedGenerateReq
 
 
@@ -62,11 +63,31 @@ class Req:
     grammar: GrammarMatcher | None = None
     in_logprobs: list[TokenLogprob] = field(default_factory=list)
     in_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    stops: StopChecker | None = None  # stop strings / stop_regex: the output's text, checked
 
     @classmethod
     def from_input(cls, r: TokenizedGenerateReq, arrival: int) -> Req:
         return cls(r.rid, list(r.input_ids), r.sampling_params, r.return_logprob,
                    r.logprob_start_len, r.top_logprobs_num, arrival)
+
+    def limits_error(self, context_len: int, max_req_len: int, vocab_size: int) -> str | None:
+        """Why the request can never run here (a 400), or None. `max_req_len` is the smaller of
+        the context length and the KV pool."""
+        n_prompt, max_new = len(self.origin_input_ids), self.sampling_params.max_new_tokens
+        room = context_len - n_prompt
+        bad = [t for t in self.origin_input_ids if t < 0 or t >= vocab_size]
+        if n_prompt == 0:
+            return "the prompt is empty"
+        if max_new > room or room <= 0:
+            return (f"max_new_tokens ({max_new}) + prompt ({n_prompt} tokens) exceeds the context "
+                    f"length {context_len}; at most {max(room, 0)} new tokens fit")
+        if n_prompt + max_new > max_req_len:  # a pool smaller than the context
+            return (f"max_new_tokens ({max_new}) + prompt ({n_prompt} tokens) exceeds the KV pool "
+                    f"of {max_req_len} tokens (--max-total-tokens; the model's context length is "
+                    f"{context_len})")
+        if bad:
+            return f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        return None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from lockstep.core import FINISH_ABORT, ForwardMode
 from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
 from lockstep.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from lockstep.managers.stop_checker import stop_checker
 from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from lockstep.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from lockstep.mem_cache.radix_cache import ChunkCache, RadixCache
@@ -68,7 +70,8 @@ class InFlight:
 
 class Scheduler(SchedulerOutputProcessorMixin):
     def __init__(self, args: ServerArgs, worker: TpModelWorker, eos_token_ids: Iterable[int] = (),
-                 strict_integrity: bool = False, grammar: GrammarBackend | None = None) -> None:
+                 strict_integrity: bool = False, grammar: GrammarBackend | None = None,
+                 tokenizer: Any = None) -> None:
         self.args = args
         self.worker = worker
         runner = worker.runner
@@ -81,6 +84,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.max_req_len = min(self.context_len, self.req_to_token_pool.max_context_len - 1)
         self.tree = ChunkCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator)
         self.eos_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer  # decodes the output of requests with stop strings
         # Only ranks that sample compute grammar masks; every rank advances the matchers alike.
         self.grammar = grammar  # None: the model has no tokenizer.json to compile against
         self._fill_masks = grammar.fill_masks if grammar and runner.pp.is_last else None
@@ -122,20 +126,15 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 logger.error("scheduler ignored unknown message %r", type(msg).__name__)
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
+        """Every check of a request, once: a 400 is its first output, which the front awaits."""
         req = Req.from_input(msg, self.step_count)
-        n_prompt, max_new = len(req.origin_input_ids), req.sampling_params.max_new_tokens
-        error = None
-        if n_prompt == 0:
-            error = "the prompt is empty"
-        elif n_prompt + max_new > self.max_req_len:  # the smaller of the two limits
-            limit = (f"the context length {self.context_len}" if self.max_req_len == self.context_len
-                     else f"the KV pool ({self.max_total_tokens} tokens, --max-total-tokens)")
-            error = f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds {limit}"
-        elif any(t < 0 or t >= self.vocab_size for t in req.origin_input_ids):
-            error = f"input_ids must be in [0, {self.vocab_size})"
-        elif req.sampling_params.constraint is not None:
-            req.grammar, error = request_matcher(self.grammar, req.sampling_params.constraint)
-        self.stats.prompt_tokens += n_prompt
+        p = req.sampling_params
+        error = req.limits_error(self.context_len, self.max_req_len, self.vocab_size)
+        if error is None and p.constraint is not None:
+            req.grammar, error = request_matcher(self.grammar, p.constraint)
+        if error is None:
+            req.stops, error = stop_checker(self.tokenizer, p)
+        self.stats.prompt_tokens += len(req.origin_input_ids)
         if error:
             self.finish(req, FINISH_ABORT(error, status_code=400))
             return
@@ -474,12 +473,14 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     """Load the model for this rank and build its scheduler; used by every scheduler process
     and by in-process tests alike."""
     from lockstep.configs.model_config import ModelConfig
+    from lockstep.detokenizer.incremental_detokenizer import load_tokenizer
     from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE
     from lockstep.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
     from lockstep.model_loader import resolve_model
     from lockstep.model_loader.stop_tokens import stop_token_ids
 
     source = resolve_model(args.model_path)
+    tokenizer = ThreadPoolExecutor(1).submit(load_tokenizer, args)  # stop strings; as weights load
     model_cfg = ModelConfig.from_hf(source.hf_config)
     runner_cfg = RunnerConfig(
         device=args.device, dtype=resolve_dtype(args.dtype, args.device),
@@ -493,5 +494,5 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     worker = TpModelWorker(runner, args.micro_batches)
     eos = stop_token_ids(source.model_dir, model_cfg.eos_token_ids)
     grammar = grammar_backend_for(args.tokenizer_path or source.model_dir, model_cfg.vocab_size, eos)
-    return Scheduler(args, worker, eos, strict_integrity, grammar)
+    return Scheduler(args, worker, eos, strict_integrity, grammar, tokenizer.result())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from lockstep.core import (
     FINISH_ABORT,
     FINISH_LENGTH,
+    FINISH_MATCHED_STR,
     FINISH_MATCHED_TOKEN,
     BaseFinishReason,
     ForwardMode,
@@ -86,6 +87,8 @@ class SchedulerOutputProcessorMixin:
         if n >= p.min_new_tokens and (
                 token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids)):
             return FINISH_MATCHED_TOKEN(token)
+        if req.stops is not None and (stop := req.stops.push(token)) is not None:
+            return FINISH_MATCHED_STR(stop)
         if n >= p.max_new_tokens or req.seq_len >= self.max_req_len:
             return FINISH_LENGTH(n)
         return None
@@ -104,13 +107,15 @@ class SchedulerOutputProcessorMixin:
     def _emit(self, req: Req) -> None:
         new = req.output_ids[req.sent_len:]
         req.sent_len = len(req.output_ids)
+        p = req.sampling_params
         self._pending.append(ReqOutput(
             rid=req.rid, new_token_ids=new, finish_reason=req.finish_reason,
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             output_token_logprobs=req.out_logprobs, output_top_logprobs=req.out_top_logprobs,
             input_token_logprobs=req.in_logprobs, input_top_logprobs=req.in_top_logprobs,
-            sampling_params=req.sampling_params, dp_rank=self.dp_rank,
+            dp_rank=self.dp_rank, text_limit=req.stops.text_limit(req.finished) if req.stops else None,
+            decode_options=(p.skip_special_tokens, p.spaces_between_special_tokens),
         ))
         req.out_logprobs, req.out_top_logprobs, req.in_logprobs, req.in_top_logprobs = [], [], [], []
 
