@@ -131,8 +131,9 @@ class ServerArgs:
         0, "Every N steps the ranks compare schedule fingerprints (0 = off).", "scheduling")
     debug_fingerprints: bool = arg(False, "Record per-step schedule fingerprints.", "scheduling")
     watchdog_timeout: float = arg(
-        300.0, "Seconds a scheduler may hold work without finishing a step before it dumps "
-               "every thread's stack to the log and brings the server down (0 = off).",
+        300.0, "Seconds a scheduler, the detokenizer or the DP controller may hold work without "
+               "finishing a step (a message) before it dumps every thread's stack to the log and "
+               "brings the server down (0 = off).",
         "scheduling", min=0)
     tp_size: int = arg(1, "Tensor-parallel ranks per replica.", "parallelism", min=1)
     pp_size: int = arg(1, "Pipeline stages per replica.", "parallelism", min=1)

@@ -523,7 +523,7 @@ def test_sigstop_of_a_scheduler_fires_the_watchdog(model_dir, tmp_path, victim):
 
 
 def test_watchdog_fires_only_when_busy_and_stalled(tmp_path):
-    from lockstep.managers.watchdog import ForwardProgressWatchdog
+    from lockstep.utils.watchdog import ForwardProgressWatchdog
 
     fired = threading.Event()
     dump = open(tmp_path / "stacks.txt", "w")  # noqa: SIM115

@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
@@ -20,6 +21,7 @@ from lockstep.core import FINISH_LENGTH, FINISH_MATCHED_STR, SamplingParams
 from lockstep.detokenizer.detokenizer_manager import DetokenizerManager
 from lockstep.managers.stop_checker import STOP_REGEX_LOOKBACK, StopRegex, stop_checker
 from lockstep.messages import BatchTokenIDOut, ReqOutput
+from lockstep.testing.faults import perturb_env
 from lockstep.testing.live_server import LiveServer
 from lockstep.testing.tiny_models import make_tiny_model
 
@@ -294,3 +296,24 @@ def test_stop_frees_the_request_at_once(server: LiveServer, tmp_path: Path):
     n = cut["meta_info"]["completion_tokens"]
     assert n < full["meta_info"]["completion_tokens"]
     assert cut["output_ids"] == full["output_ids"][:n]
+
+
+def test_a_stuck_detokenizer_is_reported_and_takes_the_server_down(tmp_path, monkeypatch):
+    """The detokenizer is under a watchdog: stuck in one message (as the backtracking stop_regex
+    left it, silently, with /health at 200) it dumps its stacks to the log and the server exits."""
+    for name, value in perturb_env(tmp_path, "detokenizer").items():
+        monkeypatch.setenv(name, value)
+    server = LiveServer("--model-path", str(make_tiny_model("qwen2")), "--max-total-tokens", "4096",
+                        "--watchdog-timeout", "3", log_dir=tmp_path, startup_timeout=300)
+    try:
+        body = {"text": "hi", "rid": "stall-1", "sampling_params": {"max_new_tokens": 4}}
+        with pytest.raises(requests.RequestException):
+            requests.post(server.url + "/generate", json=body, timeout=60)
+        assert server.proc.wait(timeout=30) != 0
+        log = server.log_text()
+        assert "watchdog: detokenizer has held work" in log and "Thread 0x" in log, log[-3000:]
+        _gone, alive = psutil.wait_procs([psutil.Process(p) for p in server.child_pids
+                                          if psutil.pid_exists(p)], timeout=15)
+        assert not alive, f"processes left behind: {alive}"
+    finally:
+        server.stop()

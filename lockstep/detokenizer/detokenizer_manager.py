@@ -15,6 +15,7 @@ from lockstep.detokenizer.incremental_detokenizer import IncrementalDetokenizer,
 from lockstep.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, decode, encode
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
+from lockstep.utils.watchdog import ForwardProgressWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,14 @@ def run_detokenizer_process(args: ServerArgs, ports: PortArgs, pipe: Connection)
         pipe.send({"status": "error", "message": f"detokenizer: {type(e).__name__}: {e}"})
         sys.exit(1)
     pipe.send({"status": "ready"})
+    # Stuck in one message for --watchdog-timeout s: the stacks go to the log, the server down.
+    watchdog = ForwardProgressWatchdog(args.watchdog_timeout, "detokenizer").start()
     try:
         while True:
             msg = decode(recv.recv())
+            watchdog.step_begins(True)
             send.send(encode(manager.handle(msg) if isinstance(msg, BatchTokenIDOut) else msg))
+            watchdog.step_done(False)
     except Exception:  # noqa: BLE001
         logger.error("detokenizer crashed:\n%s", traceback.format_exc())
         sys.exit(1)

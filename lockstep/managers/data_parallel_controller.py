@@ -26,6 +26,7 @@ from lockstep.messages import (
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.cache_aware import CacheAwareRule
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
+from lockstep.utils.watchdog import ForwardProgressWatchdog
 
 logger = logging.getLogger(__name__)
 BLOCK = 16  # tokens per node of the approximate prefix index
@@ -133,15 +134,18 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     poller.register(loads, zmq.POLLIN)
+    watchdog = ForwardProgressWatchdog(args.watchdog_timeout, "data-parallel controller").start()
     try:
         while True:
             ready = dict(poller.poll())
+            watchdog.step_begins(True)
             if inputs in ready:
                 msg = decode(inputs.recv())
                 _drain_reports(loads, dispatcher)  # whatever arrived until now counts
                 _route(msg, dispatcher, outs, owner)
             elif loads in ready:
                 _drain_reports(loads, dispatcher)
+            watchdog.step_done(False)
     except Exception:  # noqa: BLE001
         logger.error("data-parallel controller crashed:\n%s", traceback.format_exc())
         sys.exit(1)

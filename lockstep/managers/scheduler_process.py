@@ -24,7 +24,7 @@ from lockstep.distributed.communication import (
 )
 from lockstep.distributed.parallel_state import ParallelGroup
 from lockstep.managers.scheduler import Scheduler, create_scheduler
-from lockstep.managers.watchdog import ForwardProgressWatchdog
+from lockstep.utils.watchdog import ForwardProgressWatchdog
 from lockstep.messages import BatchTokenIDOut, LoadReport, decode, encode
 from lockstep.model_executor.weight_setup import weight_bytes
 from lockstep.server_args import PortArgs, ServerArgs

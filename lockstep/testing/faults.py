@@ -4,7 +4,9 @@
 the server run this module's `install()` at start (through a `sitecustomize` in `dir`); in the
 process named `process` (e.g. "scheduler-DP0-TP1-PP0") the scheduler then reverses the order of
 every batch of two or more requests, so that rank's decisions differ from the others': what the
-lockstep check must catch."""
+lockstep check must catch. With process "detokenizer", the detokenizer instead hangs in the
+first message that carries a request whose rid starts with "stall": what its watchdog must
+catch."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ def install() -> None:
     target = os.environ.get(PERTURB_ENV)
     if not target:
         return
+    if target == "detokenizer":
+        _stall_detokenizer()
+        return
     from lockstep.managers.scheduler import Scheduler
 
     form_batch = Scheduler.form_batch
@@ -39,3 +44,19 @@ def install() -> None:
         return batch
 
     Scheduler.form_batch = perturbed  # type: ignore[method-assign]
+
+
+def _stall_detokenizer() -> None:
+    import time
+
+    from lockstep.detokenizer.detokenizer_manager import DetokenizerManager
+
+    handle = DetokenizerManager.handle
+
+    def stalling(self: DetokenizerManager, batch):  # type: ignore[no-untyped-def]
+        if any(o.rid.startswith("stall") for o in batch.outputs):
+            while True:  # a message that never finishes, as the backtracking stop_regex did
+                time.sleep(1)
+        return handle(self, batch)
+
+    DetokenizerManager.handle = stalling  # type: ignore[method-assign]

@@ -1,14 +1,16 @@
-"""The forward-progress watchdog of a scheduler process.
+"""The forward-progress watchdog of a child process: every scheduler, the detokenizer and the
+DP controller (--watchdog-timeout).
 
 The event loop reports each step: `step_begins(busy)` once the step's inputs are in hand and
-`step_done(busy)` after it, where busy means the scheduler holds work (new inputs, or requests
-waiting or running). A daemon thread watches the clock: when the scheduler has been busy for
-`timeout` seconds without finishing a step (a hung collective, a peer rank that stopped, a
-forward that never returns) it logs why, dumps every thread's stack with faulthandler, and
-exits this process at once with code 1. The launcher's child watch (entrypoints/engine.py) sees
-the exit within a second and brings the whole server down. No signal goes to the parent: under
-the offline Engine the parent is the user's own Python process, which a signal would kill.
-An idle scheduler blocked waiting for input never fires.
+`step_done(busy)` after it, where busy means the process holds work (new inputs, or requests
+waiting or running; for the detokenizer and the DP controller, the message being handled). A
+daemon thread watches the clock: when the process has been busy for `timeout` seconds without
+finishing a step (a hung collective, a peer rank that stopped, a forward that never returns, a
+message that takes forever to handle) it logs why, dumps every thread's stack with faulthandler,
+and exits this process at once with code 1. The launcher's child watch (entrypoints/engine.py)
+sees the exit within a second and brings the whole server down. No signal goes to the parent:
+under the offline Engine the parent is the user's own Python process, which a signal would kill.
+A process blocked waiting for input never fires.
 
 Only the wall clock of this thread is read here; nothing of it enters a scheduling decision.
 """
@@ -74,7 +76,7 @@ class ForwardProgressWatchdog:
 
     def fire(self, stalled: float) -> None:
         self.fired = True
-        logger.error("watchdog: scheduler %s has held work for %.1f s without finishing a step "
+        logger.error("watchdog: %s has held work for %.1f s without finishing a step "
                      "(--watchdog-timeout %g); dumping every thread's stack and bringing the "
                      "server down", self.name, stalled, self.timeout)
         for handler in logging.getLogger().handlers:
