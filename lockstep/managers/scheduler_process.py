@@ -24,11 +24,11 @@ from lockstep.distributed.communication import (
 )
 from lockstep.distributed.parallel_state import ParallelGroup
 from lockstep.managers.scheduler import Scheduler, create_scheduler
-from lockstep.utils.watchdog import ForwardProgressWatchdog
 from lockstep.messages import BatchTokenIDOut, LoadReport, decode, encode
 from lockstep.model_executor.weight_setup import weight_bytes
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import configure_logging, die_with_parent, set_title
+from lockstep.utils.watchdog import ForwardProgressWatchdog
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 500
