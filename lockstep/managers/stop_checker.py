@@ -1,19 +1,13 @@
 """Stop strings and stop regexes, checked in the scheduler where tokens are produced (SGLang's
 `Req.check_finished`), on every rank alike: same tokens, same tokenizer, same decision.
 
-A request with stops decodes its output as the detokenizer does (the same IncrementalDetokenizer)
-and checks only the new text plus the overlap a match can span: a stop string's length less one,
-a regex's longest match less one, at most STOP_REGEX_LOOKBACK characters (a pattern without a
-bound, such as `a.*b`, is found when its match spans no more than that). Regexes run on RE2, whose
-time is linear in the text it reads and in the pattern's program, never exponential: `(a|aa)+b`,
-which makes a backtracking engine take seconds on 40 characters, costs what any pattern costs.
-The program size is capped at admission (STOP_REGEX_MAX_PROGRAM), so one request's checking per
-token is bounded (docs/reliability.md has the measured bound).
-
-The detokenizer must never stream part of a stop: each output carries `limit`, how much of the
-text is final, which leaves out the longest suffix that could still grow into a stop (for a regex,
-a suffix that is a prefix of some match: an RE2 search for the pattern's prefix closure anchored at
-the end). On a match, `limit` is where the text is cut (after the stop with no_stop_trim).
+A request with stops decodes its output as the detokenizer does and searches only the new text
+plus the overlap a match can span (a stop's length - 1, a regex's longest match - 1, at most
+STOP_REGEX_LOOKBACK characters). Regexes run on RE2: time linear in the text and in the program
+(capped at admission), never exponential as `(a|aa)+b` is for a backtracking engine; the bound per
+token is measured in docs/reliability.md. The detokenizer never streams part of a stop: `limit`
+(sent as ReqOutput.text_limit) leaves out the longest suffix that could still grow into one (for a
+regex, found by RE2 on the pattern's prefix closure), and is the cut once a stop matched.
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ class StopRegex:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 tree = sre_parse.parse(pattern)
-            viable = re2.compile(f"{_flags(tree.state.flags)}(?:{_prefixes(list(tree))})\\z", _OPTIONS)
+            viable = re2.compile(f"(?{_flags(tree.state.flags)}:{_seq(list(tree), True)})\\z", _OPTIONS)
             span = tree.getwidth()[1]
         except (Warning, sre.error, re2.error, ValueError, TypeError, KeyError, OverflowError,
                 RecursionError):
@@ -70,8 +64,7 @@ class StopRegex:
 
     def find(self, text: str, start: int) -> tuple[int, int] | None:
         """The leftmost match that starts at `start` or later: (start, end) in characters."""
-        m = _search(self.search, text, start)
-        return m and (m[0], m[1])
+        return _search(self.search, text, start)
 
     def viable_from(self, text: str) -> int:
         """Where the earliest suffix of `text` that could still become a match begins."""
@@ -164,89 +157,50 @@ class StopChecker:
         return held
 
 
+_CLASSES = {sre.CATEGORY_DIGIT: r"\d", sre.CATEGORY_NOT_DIGIT: r"\D", sre.CATEGORY_SPACE: r"\s",
+            sre.CATEGORY_NOT_SPACE: r"\S", sre.CATEGORY_WORD: r"\w", sre.CATEGORY_NOT_WORD: r"\W"}
+_ANCHORS = {sre.AT_BEGINNING: "^", sre.AT_BEGINNING_STRING: r"\A", sre.AT_END: "$",
+            sre.AT_END_STRING: r"\z", sre.AT_BOUNDARY: r"\b", sre.AT_NON_BOUNDARY: r"\B"}
+
+
 def _flags(flags: int) -> str:
-    on = "".join(c for f, c in ((sre.SRE_FLAG_IGNORECASE, "i"), (sre.SRE_FLAG_MULTILINE, "m"),
-                                (sre.SRE_FLAG_DOTALL, "s")) if flags & f)
-    return f"(?{on})" if on else ""
-
-
-def _prefixes(items: list) -> str:
-    """A regex matching every prefix of what the sequence `items` matches (RE2 syntax).
-    prefixes(x rest) = prefixes(x) | x prefixes(rest)."""
-    if not items:
-        return ""
-    head, rest = items[0], items[1:]
-    if not rest:
-        return _prefixes1(head)
-    return f"(?:{_prefixes1(head)}|{_regex1(head)}{_prefixes(rest)})"
-
-
-def _prefixes1(item: tuple) -> str:
-    op, av = item
-    if op in (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN):
-        return f"(?:{_regex1(item)})?"
-    if op is sre.BRANCH:
-        return "(?:" + "|".join(_prefixes(list(alt)) for alt in av[1]) + ")"
-    if op is sre.SUBPATTERN:
-        return f"(?{_group_flags(av)}:{_prefixes(list(av[3]))})"
-    if op in (sre.MAX_REPEAT, sre.MIN_REPEAT):
-        lo, hi, sub = av
-        if hi == 0:
-            return ""
-        reps = "*" if hi == sre.MAXREPEAT else f"{{0,{hi - 1}}}"
-        return f"(?:{_regex(list(sub))}){reps}{_prefixes(list(sub))}"
-    if op is sre.AT:
-        return ""
-    raise ValueError(f"no prefix closure for {op}")
-
-
-def _regex(items: list) -> str:
-    return "".join(_regex1(i) for i in items)
+    return "".join(c for f, c in ((sre.SRE_FLAG_IGNORECASE, "i"), (sre.SRE_FLAG_MULTILINE, "m"),
+                                  (sre.SRE_FLAG_DOTALL, "s")) if flags & f)
 
 
 def _char(c: int) -> str:
     return chr(c) if chr(c).isascii() and chr(c).isalnum() else f"\\x{{{c:x}}}"
 
 
-_CATEGORIES = {sre.CATEGORY_DIGIT: r"\d", sre.CATEGORY_NOT_DIGIT: r"\D",
-               sre.CATEGORY_SPACE: r"\s", sre.CATEGORY_NOT_SPACE: r"\S",
-               sre.CATEGORY_WORD: r"\w", sre.CATEGORY_NOT_WORD: r"\W"}
-_ANCHORS = {sre.AT_BEGINNING: "^", sre.AT_BEGINNING_STRING: r"\A", sre.AT_END: "$",
-            sre.AT_END_STRING: r"\z", sre.AT_BOUNDARY: r"\b", sre.AT_NON_BOUNDARY: r"\B"}
+def _seq(items: list, closure: bool) -> str:
+    """A parsed sequence written back in RE2 syntax; with `closure`, a regex for every prefix of
+    what it matches: prefixes(x rest) = prefixes(x) | x prefixes(rest)."""
+    if not closure or not items:
+        return "".join(_one(i, False) for i in items)
+    head = _one(items[0], True)
+    return head if len(items) == 1 else f"(?:{head}|{_one(items[0], False)}{_seq(items[1:], True)})"
 
 
-def _regex1(item: tuple) -> str:
+def _one(item: tuple, closure: bool) -> str:
     op, av = item
-    if op is sre.LITERAL:
-        return _char(av)
-    if op is sre.NOT_LITERAL:
-        return f"[^{_char(av)}]"
-    if op is sre.ANY:
-        return "."
-    if op is sre.IN:
-        parts = []
-        for kind, v in av:
-            if kind is sre.NEGATE:
-                parts.append("^")
-            elif kind is sre.LITERAL:
-                parts.append(_char(v))
-            elif kind is sre.RANGE:
-                parts.append(f"{_char(v[0])}-{_char(v[1])}")
-            else:
-                parts.append(_CATEGORIES[v])
-        return "[" + "".join(parts) + "]"
+    if op in (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN):  # one character
+        atom = ("." if op is sre.ANY else _char(av) if op is sre.LITERAL else
+                f"[^{_char(av)}]" if op is sre.NOT_LITERAL else "[" + "".join(
+                    "^" if k is sre.NEGATE else _char(v) if k is sre.LITERAL else
+                    f"{_char(v[0])}-{_char(v[1])}" if k is sre.RANGE else _CLASSES[v]
+                    for k, v in av) + "]")
+        return f"(?:{atom})?" if closure else atom
+    if op is sre.AT:  # zero width: a prefix may end before it
+        return "" if closure else _ANCHORS[av]
     if op is sre.BRANCH:
-        return "(?:" + "|".join(_regex(list(alt)) for alt in av[1]) + ")"
+        return "(?:" + "|".join(_seq(list(alt), closure) for alt in av[1]) + ")"
     if op is sre.SUBPATTERN:
-        return f"(?{_group_flags(av)}:{_regex(list(av[3]))})"
+        on, off = _flags(av[1]), _flags(av[2])
+        return f"(?{on}{'-' + off if off else ''}:{_seq(list(av[3]), closure)})"
     if op in (sre.MAX_REPEAT, sre.MIN_REPEAT):
         lo, hi, sub = av
-        return f"(?:{_regex(list(sub))}){{{lo},{'' if hi == sre.MAXREPEAT else hi}}}"
-    if op is sre.AT:
-        return _ANCHORS[av]
-    raise ValueError(f"cannot write {op} for RE2")
-
-
-def _group_flags(av: tuple) -> str:
-    on, off = _flags(av[1])[2:-1], _flags(av[2])[2:-1]
-    return on + (f"-{off}" if off else "")
+        body, most = _seq(list(sub), False), "" if hi == sre.MAXREPEAT else hi
+        if not closure:
+            return f"(?:{body}){{{lo},{most}}}"  # (laziness does not change what matches)
+        return "" if hi == 0 else f"(?:{body}){{0,{'' if most == '' else hi - 1}}}{_seq(list(sub), True)}"
+    raise ValueError(f"no RE2 form for {op}")
