@@ -41,7 +41,7 @@ class FINISH_MATCHED_TOKEN(BaseFinishReason):  # noqa: N801 - SGLang's names
 
 @dataclass(frozen=True)
 class FINISH_MATCHED_STR(BaseFinishReason):  # noqa: N801
-    matched: str  # a stop string (the detokenizer finds those)
+    matched: str  # a stop string or stop_regex pattern (the scheduler's stop_checker finds those)
     type: ClassVar[str] = "stop"
 
 
@@ -79,7 +79,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
-    # Generation stops when the output text matches one of these (Python `re`, searched).
+    # Generation stops when the output text matches one of these (RE2, managers/stop_checker.py).
     stop_regex: list[str] = field(default_factory=list)
     # At most one; checked in the front process (lockstep.constrained.validate_constraint).
     constraint: Constraint | None = None
