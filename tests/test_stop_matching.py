@@ -23,6 +23,7 @@ from lockstep.managers.stop_checker import STOP_REGEX_LOOKBACK, StopRegex, stop_
 from lockstep.messages import BatchTokenIDOut, ReqOutput
 from lockstep.testing.faults import perturb_env
 from lockstep.testing.live_server import LiveServer
+from lockstep.testing.tiers import marks
 from lockstep.testing.tiny_models import make_tiny_model
 
 
@@ -224,6 +225,7 @@ def test_random_stop_strings_match_reference_trim(gemma_tokenizer):
 
 
 @pytest.fixture(scope="module")
+@marks("server")
 def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     srv = LiveServer("--model-path", str(make_tiny_model("qwen2")), "--max-total-tokens", "8192",
                      log_dir=tmp_path_factory.mktemp("stop-server"), startup_timeout=300)
@@ -300,6 +302,7 @@ def test_stop_frees_the_request_at_once(server: LiveServer, tmp_path: Path):
     assert cut["output_ids"] == full["output_ids"][:n]
 
 
+@pytest.mark.server
 def test_a_stuck_detokenizer_is_reported_and_takes_the_server_down(tmp_path, monkeypatch):
     """The detokenizer is under a watchdog: stuck in one message (as the backtracking stop_regex
     left it, silently, with /health at 200) it dumps its stacks to the log and the server exits."""
