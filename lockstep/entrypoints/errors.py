@@ -158,4 +158,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(req: Request, exc: Exception) -> Response:
         logger.exception("internal error on %s %s", req.method, req.url.path)
-        return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
+        # The exception's text stays in the log: it may carry internal state (a grammar engine's
+        # parser dump once reached clients this way).
+        return error_response(f"internal server error ({type(exc).__name__}); the server log "
+                              "has the details", 500)
