@@ -187,6 +187,57 @@ def test_cached_tokens_on_repeated_long_prompt(http, server, tok):
     assert again["output_ids"] == first["output_ids"]
 
 
+def test_logit_bias_leaves_batch_neighbours_unchanged(http, server, tok):
+    """A biased request in one batch with unbiased ones: theirs keep their ids and logprobs."""
+    target = tok(" zebra", add_special_tokens=False).input_ids[-1]
+    body = {"text": PROMPTS, "return_logprob": True}
+    plain = generate(http, server, **body, sampling_params=GREEDY)
+    biased_sp = {**GREEDY, "logit_bias": {str(target): 100.0}}
+    mixed = generate(http, server, **body, sampling_params=[GREEDY, biased_sp, GREEDY])
+    for i in (0, 2):
+        assert mixed[i]["output_ids"] == plain[i]["output_ids"]
+        assert (mixed[i]["meta_info"]["output_token_logprobs"]
+                == plain[i]["meta_info"]["output_token_logprobs"])
+    assert set(mixed[1]["output_ids"]) == {target} != set(plain[1]["output_ids"])
+    # OpenAI's spelling: the same bias through /v1/completions.
+    r = http.post(server.url + "/v1/completions", timeout=120, json={
+        "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+        "logit_bias": {str(target): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode([target] * 3)
+
+
+def test_usage_reports_cached_prompt_tokens(http, server, tok):
+    prompt = " ".join(f"row {i} holds a {['fig', 'pear', 'plum'][i % 3]}." for i in range(80))
+    n_prompt = len(tok(prompt).input_ids)
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    first = http.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+    again = http.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+    assert first["prompt_tokens"] == again["prompt_tokens"] == n_prompt
+    assert first["prompt_tokens_details"]["cached_tokens"] < 0.5 * n_prompt
+    assert again["prompt_tokens_details"]["cached_tokens"] > 0.9 * n_prompt
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+    http.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
+    usage = http.post(server.url + "/v1/chat/completions", json=chat, timeout=120).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0.9 * usage["prompt_tokens"]
+
+
+def test_sglang_router_requests_are_served(http, server):
+    """sglang-router sends every SGLang 0.5 field it knows, at its default: all are accepted."""
+    gen = generate(http, server, text=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2},
+                   model=None, log_metrics=True, return_hidden_states=False, background=False,
+                   no_logs=False, return_bytes=False, return_entropy=False)
+    assert len(gen["output_ids"]) == 2
+    for path, body in (
+            ("/v1/completions", {"prompt": "a", "max_tokens": 2, "return_hidden_states": False}),
+            ("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
+                "continue_final_message": False, "separate_reasoning": True,
+                "stream_reasoning": True, "return_hidden_states": False})):
+        r = http.post(server.url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------------------------------------
 # Disconnects
 
@@ -332,6 +383,13 @@ BAD_INPUTS = [
     _case("/generate", {"text": "a", "top_logprobs_num": 2}, 400, "top_logprobs_num"),
     _case("/generate", {"text": "a", "logprob_start_len": -5}, 400, "logprob_start_len"),
     _case("/generate", {"text": "a", "stream": "yes"}, 400, "stream"),
+    _case("/generate", {"text": "a", "return_hidden_states": True}, 400,
+          "return_hidden_states: true is not supported by this server"),
+    _case("/generate", {"text": "a", SP: {"logit_bias": {"999999": 1}}}, 400,
+          "logit_bias: token id 999999 is outside the vocabulary"),
+    _case("/v1/completions", {"prompt": "a", "logit_bias": {"1": 500}}, 400, "logit_bias.1"),
+    _case("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                                   "continue_final_message": True}, 400, "continue_final_message"),
     _case("/v1/completions", {"model": "nope", "prompt": "a"}, 404, "nope"),
     _case("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     _case("/v1/completions", {"prompt": "a", "logprobs": 10}, 400, "logprobs"),

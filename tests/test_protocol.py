@@ -12,8 +12,10 @@ from lockstep.core import (
     FINISH_MATCHED_TOKEN,
     TokenLogprob,
 )
+from lockstep.entrypoints import sglang_fields
 from lockstep.entrypoints.errors import format_validation_error
-from lockstep.entrypoints.generate_request import GenerateReqInput, SamplingParamsModel
+from lockstep.core import SamplingParams
+from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamChoice,
@@ -195,7 +197,12 @@ BAD_INPUTS = [
         "top_logprobs_num: requires return_logprob",
     ),
     (GenerateReqInput, {"text": "a", "logprob_start_len": -2}, "logprob_start_len: must be >= -1"),
-    (GenerateReqInput, {"text": "a", "image_data": "http://x/y.png"}, "image_data: unknown field"),
+    (GenerateReqInput, {"text": "a", "image_data": "http://x/y.png"},
+     'image_data: "http://x/y.png" is not supported by this server (text-only'),
+    (GenerateReqInput, {"text": "a", "imagedata": "x"}, "imagedata: unknown field"),
+    (GenerateReqInput, {"text": "a", "sampling_params": {"stream_interval": 4}},
+     "sampling_params: stream_interval: 4 is not supported by this server (every token is "
+     "streamed); omit it or send 1"),
     (GenerateReqInput, [1, 2], "request body: must be an object"),
     # /v1/completions
     (CompletionRequest, {}, "prompt: is required"),
@@ -204,13 +211,14 @@ BAD_INPUTS = [
     (CompletionRequest, {"prompt": {"text": "a"}}, "prompt: must be a string, a list of strings"),
     (CompletionRequest, {**COMPLETION, "max_tokens": -1}, "max_tokens: must be >= 0, got -1"),
     (CompletionRequest, {**COMPLETION, "logprobs": 6}, "logprobs: must be <= 5, got 6"),
-    (CompletionRequest, {**COMPLETION, "suffix": "}"}, "suffix: is not supported"),
+    (CompletionRequest, {**COMPLETION, "suffix": "}"}, 'suffix: "}" is not supported'),
     (CompletionRequest, {**COMPLETION, "best_of": 3}, "best_of (3): only best_of equal to n (1)"),
     (
         CompletionRequest,
-        {**COMPLETION, "logit_bias": {"50256": -100}},
-        "logit_bias: is not supported",
+        {**COMPLETION, "logit_bias": {"50256": -101}},
+        "logit_bias.50256: must be >= -100, got -101",
     ),
+    (CompletionRequest, {**COMPLETION, "logit_bias": {"x": 1}}, "logit_bias: keys must be token ids"),
     (
         CompletionRequest,
         {**COMPLETION, "temperature": float("inf")},
@@ -353,7 +361,7 @@ def test_several_errors_in_one_sentence():
 
 
 def test_sampling_defaults():
-    sp = SamplingParamsModel()
+    sp = SamplingParams()
     assert sp.max_new_tokens == 128 and sp.min_new_tokens == 0
     assert sp.temperature == 1.0 and sp.top_p == 1.0 and sp.top_k == -1 and sp.min_p == 0.0
     assert sp.frequency_penalty == sp.presence_penalty == 0.0 and sp.repetition_penalty == 1.0
@@ -363,11 +371,9 @@ def test_sampling_defaults():
 
 
 def test_null_means_default_but_null_max_new_tokens_means_unbounded():
-    sp = SamplingParamsModel.model_validate(
-        {"temperature": None, "stop": None, "max_new_tokens": None}
-    )
+    sp = SamplingParams(temperature=None, stop=None, max_new_tokens=None)
     assert sp.temperature == 1.0 and sp.stop == [] and sp.max_new_tokens is None
-    assert SamplingParamsModel.model_validate({"stop": "\n"}).stop == ["\n"]
+    assert SamplingParams(stop="\n").stop == ["\n"]
 
 
 def test_generate_single_text_defaults():
@@ -377,7 +383,7 @@ def test_generate_single_text_defaults():
     assert req.logprob_start_len == -1 and req.top_logprobs_num == 0
     (single,) = req.normalize()
     assert single.text == "Hello" and single.input_ids is None
-    assert single.sampling_params == SamplingParamsModel() and len(single.rid) == 32
+    assert single.sampling_params == SamplingParams() and len(single.rid) == 32
 
 
 def test_generate_batch_fan_out_with_per_item_params_and_n():
@@ -514,8 +520,10 @@ def test_openai_output_path_shapes():
     # Prompt tokens once per prompt (not per sample), completion tokens of every sample.
     singles = GenerateReqInput(text=["a", "b"], sampling_params={"n": 2}).normalize()
     finals = [_output(s.rid, 5 + s.prompt_index, 3) for s in singles]
+    finals[0].cached_tokens, finals[1].cached_tokens = 4, 5  # the second sample's is not counted
     assert usage_of(singles, finals).model_dump() == {
-        "prompt_tokens": 11, "completion_tokens": 12, "total_tokens": 23}
+        "prompt_tokens": 11, "completion_tokens": 12, "total_tokens": 23,
+        "prompt_tokens_details": {"cached_tokens": 4}}
 
     assert finish_of(_output("r", 1, 1)) == (None, None)
     assert finish_of(_output("r", 1, 1, finish=FINISH_MATCHED_STR("\n"))) == ("stop", "\n")
@@ -569,3 +577,77 @@ def test_incremental_stream_sends_each_logprob_once():
     assert first["output_token_logprobs"] == [(-0.1, 1, None)] and len(first["input_token_logprobs"]) == 2
     assert second["output_token_logprobs"] == [(-0.2, 2, None)]
     assert second["input_token_logprobs"] == [] and second["prompt_tokens"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang 0.5's request fields (lockstep.entrypoints.sglang_fields)
+
+ROUTES = [(GenerateReqInput, sglang_fields.GENERATE, {"text": "a"}),
+          (CompletionRequest, sglang_fields.COMPLETIONS, COMPLETION),
+          (ChatCompletionRequest, sglang_fields.CHAT, CHAT)]
+
+
+@pytest.mark.parametrize(("model", "table", "_body"), ROUTES)
+def test_the_field_table_names_exactly_the_served_fields(model, table, _body):
+    """SERVED in the table <=> a field of lockstep's model: the table cannot drift from the code."""
+    served = {k for k, rule in table.items() if rule == sglang_fields.SERVED}
+    assert served == set(model.model_fields)
+    sp = {k for k, r in sglang_fields.SAMPLING_PARAMS.items() if r == sglang_fields.SERVED}
+    assert sp == set(SamplingParams.__dataclass_fields__)
+
+
+@pytest.mark.parametrize(("model", "table", "body"), ROUTES)
+def test_every_sglang_field_at_its_default_is_accepted(model, table, body):
+    off = {k: (r.values[0] if r.values else None) for k, r in table.items()
+           if isinstance(r, sglang_fields.Off)}
+    req = model.model_validate({**body, **off})
+    assert req == model.model_validate(body)
+    sp_off = {k: (r.values[0] if r.values else None)
+              for k, r in sglang_fields.SAMPLING_PARAMS.items() if isinstance(r, sglang_fields.Off)}
+    assert GenerateReqInput.model_validate({"text": "a", "sampling_params": sp_off}).sampling_params \
+        == SamplingParams()
+
+
+def test_sglang_router_bodies_are_accepted():
+    """sglang-router rebuilds each request from its own struct, with these fields at their defaults."""
+    GenerateReqInput.model_validate({
+        "text": "a", "model": None, "log_metrics": True, "return_hidden_states": False,
+        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False})
+    ChatCompletionRequest.model_validate({
+        **CHAT, "continue_final_message": False, "separate_reasoning": True,
+        "stream_reasoning": True, "return_hidden_states": False})
+    CompletionRequest.model_validate({**COMPLETION, "return_hidden_states": False})
+
+
+@pytest.mark.parametrize(("model", "payload", "expected"), [
+    (GenerateReqInput, {"text": "a", "return_hidden_states": True},
+     "return_hidden_states: true is not supported by this server (no hidden states); omit it or "
+     "send false"),
+    (GenerateReqInput, {"text": "a", "return_hidden_states": 0}, "return_hidden_states: 0 is not"),
+    (GenerateReqInput, {"text": "a", "log_metrics": False}, "log_metrics: false is not supported"),
+    (GenerateReqInput, {"text": "a", "lora_path": "x"}, 'lora_path: "x" is not supported by this '
+     "server (no LoRA adapters); omit it"),
+    (ChatCompletionRequest, {**CHAT, "continue_final_message": True},
+     "continue_final_message: true is not supported"),
+    (CompletionRequest, {**COMPLETION, "return_hidden_states": "last"},
+     'return_hidden_states: "last" is not supported'),
+    (CompletionRequest, {**COMPLETION, "return_hidden_state": False},
+     "return_hidden_state: unknown field"),
+])
+def test_a_value_lockstep_cannot_honour_is_refused_by_name(model, payload, expected):
+    with pytest.raises(pydantic.ValidationError) as info:
+        model.model_validate(payload)
+    assert expected in format_validation_error(info.value)
+
+
+def test_one_sampling_params_type_from_the_body_to_the_scheduler():
+    """The OpenAI requests build lockstep.core.SamplingParams themselves, OpenAI's names mapped."""
+    sp = CompletionRequest.model_validate(
+        {**COMPLETION, "max_tokens": 5, "min_tokens": 2, "logit_bias": {"7": 3.5},
+         "json_schema": '{"type": "object"}'}).to_sampling_params()
+    assert type(sp) is SamplingParams
+    assert (sp.max_new_tokens, sp.min_new_tokens, sp.logit_bias) == (5, 2, {"7": 3.5})
+    assert sp.constraint.kind == "json_schema"
+    gen = GenerateReqInput.model_validate(
+        {"text": "a", "sampling_params": {"sampling_seed": 4, "logit_bias": {"7": -100}}})
+    assert type(gen.sampling_params) is SamplingParams and gen.sampling_params.seed == 4

@@ -75,3 +75,22 @@ def test_logprobs_are_of_raw_logits():
     assert torch.allclose(out.logprobs, ref.gather(1, out.next_token_ids[:, None]).squeeze(1))
     assert torch.allclose(out.top_logprobs, ref.topk(3, -1).values)
     assert math.isclose(float(out.top_logprobs[0, 0]), float(out.logprobs[0]), abs_tol=1e-6)
+
+
+def test_logit_bias_moves_only_its_own_row():
+    """A biased request beside unbiased ones: their tokens and logprobs stay bit for bit, and the
+    reported logprobs stay those of the model's own distribution."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 4000)
+    for temperature in (0.0, 0.9):
+        plain = sample(logits.clone(), _info(3, 4000, temperature), top_logprobs_num=2,
+                       want_logprobs=True)
+        info = _info(3, 4000, temperature)
+        info.logit_bias = [(1, torch.tensor([17, 99]), torch.tensor([100.0, -100.0]))]
+        biased = sample(logits.clone(), info, top_logprobs_num=2, want_logprobs=True)
+        keep = torch.tensor([0, 2])
+        assert torch.equal(biased.next_token_ids[keep], plain.next_token_ids[keep])
+        assert torch.equal(biased.logprobs[keep], plain.logprobs[keep])
+        assert torch.equal(biased.top_logprobs, plain.top_logprobs)
+        assert int(biased.next_token_ids[1]) == 17 != int(plain.next_token_ids[1])
+        assert float(biased.logprobs[1]) == float(torch.log_softmax(logits[1], -1)[17])

@@ -37,6 +37,8 @@ _MESSAGES: dict[str, str] = {
     "dict_type": "must be an object",
     "model_type": "must be an object",
     "model_attributes_type": "must be an object",
+    "dataclass_type": "must be an object",
+    "unexpected_keyword_argument": "unknown field (not supported by this server)",
 }
 
 
@@ -57,8 +59,6 @@ def _describe(err: Mapping[str, Any]) -> str:
     if kind in ("too_short", "string_too_short"):
         n = ctx.get("min_length", 1)
         return "must not be empty" if n == 1 else f"must have at least {n} items"
-    if kind in ("too_long", "string_too_long") and ctx.get("max_length") == 0:
-        return "is not supported by this server; omit it"
     if kind in ("too_long", "string_too_long"):
         unit = "characters" if kind == "string_too_long" else "items"
         return f"must have at most {ctx.get('max_length')} {unit}"
@@ -93,9 +93,8 @@ def format_errors(errors: Sequence[Mapping[str, Any]], max_errors: int = 5) -> s
     for err in errors[:max_errors]:
         text = _describe(err)
         value = err.get("input")
-        if err["type"] not in ("missing", "extra_forbidden") and isinstance(
-            value, (str, int, float)
-        ):
+        if err["type"] not in ("missing", "extra_forbidden", "unexpected_keyword_argument") \
+                and isinstance(value, (str, int, float)):
             shown = (
                 repr(value[:40] + "..." if len(value) > 40 else value)
                 if isinstance(value, str)

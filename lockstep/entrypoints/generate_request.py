@@ -1,5 +1,5 @@
 """The request a generation starts from, validated: SGLang's /generate body (`GenerateReqInput`,
-also the offline Engine's arguments), its sampling params, and the single requests
+also the offline Engine's arguments; its sampling params are lockstep.core.SamplingParams), and the single requests
 (`SingleGenerateReq`: one prompt, one sample) it fans out into, which the TokenizerManager runs.
 
 Every request model forbids unknown fields: a parameter that is silently ignored is a wrong answer
@@ -9,38 +9,25 @@ declared once, as types, so FastAPI's /openapi.json states them too.
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any, ClassVar, Union
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
-    PrivateAttr,
     Tag,
-    WithJsonSchema,
     model_validator,
 )
 
-from lockstep.constrained.constraint import (
-    Constraint,
-    ConstraintError,
-    constraint_from_fields,
-)
-
-INT32_MAX = 2**31 - 1
-_MAX_STOP_STRINGS = 16
-MAX_N = 16
-
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-# torch.Generator.manual_seed takes anything from int64's minimum to uint64's maximum.
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+from lockstep.core import NonEmptyStr, SamplingParams, TokenId, null_means_unset_schema
+from lockstep.entrypoints.sglang_fields import GENERATE, SAMPLING_PARAMS, Table, drop_off_fields
 
 
 def shaped(branches: dict[str, Any], pick: Callable[[Any], str | None], expected: str) -> Any:
@@ -66,9 +53,9 @@ def _ids_shape(v: Any) -> str | None:
 
 
 def _object_or_list(v: Any) -> str | None:
-    return (
-        "list" if isinstance(v, list) else "dict" if isinstance(v, (Mapping, BaseModel)) else None
-    )
+    if isinstance(v, list):
+        return "list"
+    return "dict" if isinstance(v, (Mapping, BaseModel, SamplingParams)) else None
 
 
 def _bool_or_list(v: Any) -> str:
@@ -97,51 +84,20 @@ RidInput = shaped(
 UNION_TAGS = frozenset({"str", "list", "dict", "bool", "list[str]", "list[int]", "list[list]"})
 
 
-def _stop_to_list(v: Any) -> Any:
-    if isinstance(v, str):
-        return [v]
-    if not isinstance(v, (list, tuple)):
-        raise ValueError("must be a string or a list of strings")
-    return list(v)
-
-
-def _check_top_k(v: int) -> int:
-    if v != -1 and v < 1:
-        raise ValueError("must be -1 (disabled) or >= 1")
-    return v
-
-
 LogprobFlag = shaped({"bool": bool, "list": list[bool]}, _bool_or_list, "a boolean or a list")
-# One string or a list: what _stop_to_list accepts, published as such.
-_STOP_SCHEMA = WithJsonSchema({"anyOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": _MAX_STOP_STRINGS},
-]})
-StopList = Annotated[
-    list[NonEmptyStr], Field(max_length=_MAX_STOP_STRINGS), BeforeValidator(_stop_to_list),
-    _STOP_SCHEMA,
-]
-TopK = Annotated[int, AfterValidator(_check_top_k)]
-StopRegexList = StopList  # each pattern is compiled (RE2) where it runs: the scheduler
-
-
-def _not_served(why: str) -> Any:
-    """A field SGLang defines that this server does not serve: refused by name, never ignored."""
-    def check(v: Any) -> Any:
-        if v is not None:
-            raise ValueError(f"is not supported by this server ({why}); omit it")
-        return v
-    return Annotated[Any, AfterValidator(check)]
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     # Fields for which null is a value of its own rather than "use the default".
     _null_means_something: ClassVar[frozenset[str]] = frozenset()
+    # A request body's fields as SGLang defines them (lockstep.entrypoints.sglang_fields).
+    _sglang_fields: ClassVar[Table] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
+        data = drop_off_fields(cls._sglang_fields, data)
         if isinstance(data, Mapping):
             keep = cls._null_means_something
             return {k: v for k, v in data.items() if v is not None or k in keep}
@@ -149,86 +105,13 @@ class StrictModel(BaseModel):
 
     @classmethod
     def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
-        """The published schema says what `_null_is_unset` does: null is accepted for every
-        optional field (a schema fuzzer found `"echo": null` accepted where it said boolean)."""
-        schema = handler.resolve_ref_schema(handler(core_schema))
-        required = set(schema.get("required", ()))
-        props = schema.get("properties", {})
-        for name, prop in props.items():
-            options = prop.get("anyOf", [prop])
-            if name not in required and not any(o.get("type") == "null" for o in options):
-                outer = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
-                props[name] = {"anyOf": [prop, {"type": "null"}], **outer}
-        return schema
+        return null_means_unset_schema(core_schema, handler)
 
 
-class SamplingParamsModel(StrictModel):
-    _null_means_something = frozenset({"max_new_tokens"})
-
-    max_new_tokens: int | None = Field(128, ge=0, le=INT32_MAX)  # None: until the context is full
-    min_new_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: TopK = -1
-    min_p: float = Field(0.0, ge=0, le=1)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
-    stop: StopList = Field(default_factory=list)
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: Seed | None = None
-    sampling_seed: Seed | None = None  # SGLang 0.5's name for seed
-    no_stop_trim: bool = False
-    # Structured output (lockstep.constrained): at most one of regex, json_schema (a JSON
-    # string), ebnf (GBNF); each is compiled here, so a bad one is a 400 before dispatch.
-    regex: str | None = None
-    json_schema: str | None = None
-    ebnf: str | None = None
-    stop_regex: StopRegexList = Field(default_factory=list)
-    structural_tag: _not_served("structural tags") = None
-    custom_params: _not_served("no custom logit processors") = None
-    logit_bias: _not_served("no logit bias") = None
-    stream_interval: _not_served("every token is streamed") = None
-
-    _constraint: Constraint | None = PrivateAttr(default=None)
-
-    @model_validator(mode="after")
-    def _check_min_tokens(self) -> SamplingParamsModel:
-        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
-                f"({self.max_new_tokens})"
-            )
-        if (self.sampling_seed is not None and self.seed is not None
-                and self.sampling_seed != self.seed):
-            raise ValueError(f"seed ({self.seed}) and sampling_seed ({self.sampling_seed}) differ")
-        if self.sampling_seed is not None:  # one name from here on (n > 1 derives per-sample seeds)
-            self.seed, self.sampling_seed = self.sampling_seed, None
-        try:
-            self._constraint = constraint_from_fields(self.regex, self.json_schema, self.ebnf)
-        except ConstraintError as e:
-            raise ValueError(str(e)) from None
-        return self
-
-    @property
-    def constraint(self) -> Constraint | None:
-        return self._constraint
-
-    def engine_fields(self) -> dict[str, Any]:
-        """The fields as lockstep's SamplingParams names them (all but n and max_new_tokens)."""
-        fields = self.model_dump(exclude={
-            "n", "max_new_tokens", "sampling_seed", "regex", "json_schema", "ebnf",
-            "structural_tag", "custom_params", "logit_bias", "stream_interval"})
-        fields["constraint"] = self._constraint
-        return fields
-
-
+# SGLang's sampling params that lockstep does not serve are checked and dropped first.
+_Sampling = Annotated[SamplingParams, BeforeValidator(partial(drop_off_fields, SAMPLING_PARAMS))]
 SamplingParamsInput = shaped(
-    {"dict": SamplingParamsModel, "list": list[SamplingParamsModel]},
+    {"dict": _Sampling, "list": list[_Sampling]},
     _object_or_list,
     "an object or a list of objects",
 )
@@ -241,7 +124,7 @@ class SingleGenerateReq:
     rid: str
     text: str | None
     input_ids: list[int] | None
-    sampling_params: SamplingParamsModel
+    sampling_params: SamplingParams
     stream: bool
     return_logprob: bool
     logprob_start_len: int
@@ -255,6 +138,8 @@ class SingleGenerateReq:
 class GenerateReqInput(StrictModel):
     """Body of SGLang's native /generate."""
 
+    _sglang_fields = GENERATE
+
     # What `_check_consistency` enforces first, stated for schema-driven clients.
     model_config = ConfigDict(
         json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
@@ -262,7 +147,7 @@ class GenerateReqInput(StrictModel):
 
     text: TextInput | None = None
     input_ids: IdsInput | None = None
-    sampling_params: SamplingParamsInput = Field(default_factory=SamplingParamsModel)
+    sampling_params: SamplingParamsInput = Field(default_factory=SamplingParams)
     rid: RidInput | None = None
     stream: bool = False
     return_logprob: LogprobFlag = False
@@ -325,11 +210,7 @@ class GenerateReqInput(StrictModel):
         for b, ((text, input_ids), sp, rid) in enumerate(zip(prompts, params, rids)):
             for i in range(sp.n):
                 # Each sample gets its own seed, or seeded samples would all be the same text.
-                single = (
-                    sp
-                    if sp.n == 1
-                    else sp.model_copy(update={"n": 1, "seed": _nth_seed(sp.seed, i)})
-                )
+                single = sp if sp.n == 1 else _nth_sample(sp, i)
                 out.append(
                     SingleGenerateReq(
                         rid=rid if sp.n == 1 else f"{rid}-{i}",
@@ -355,7 +236,10 @@ def _per_prompt(value: Any, size: int) -> list[Any]:
     return list(value) if isinstance(value, list) else [value] * size
 
 
-def _nth_seed(seed: int | None, i: int) -> int | None:
-    if seed is None or i == 0:
-        return seed
-    return (seed + i + 2**63) % 2**64 - 2**63  # stays within what manual_seed accepts
+def _nth_sample(sp: SamplingParams, i: int) -> SamplingParams:
+    """Sample i of n: n=1, and its own seed, or seeded samples would all be the same text."""
+    out = copy.copy(sp)  # a validated object, copied as is (no second grammar check)
+    out.n = 1
+    if sp.seed is not None and i:
+        out.seed = (sp.seed + i + 2**63) % 2**64 - 2**63  # stays within what manual_seed accepts
+    return out

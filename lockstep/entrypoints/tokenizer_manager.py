@@ -7,6 +7,7 @@ socket and routes each output to its request. `generate` is an async iterator of
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import time
@@ -24,7 +25,7 @@ from lockstep.core import (
     SamplingParams,
     TokenLogprob,
 )
-from lockstep.entrypoints.generate_request import SamplingParamsModel, SingleGenerateReq
+from lockstep.entrypoints.generate_request import SingleGenerateReq
 from lockstep.messages import (
     AbortReq,
     BatchStrOut,
@@ -191,23 +192,30 @@ class TokenizerManager:
             return list(req.input_ids)
         return await self.tokenize_text(req.text or "")
 
-    def to_sampling_params(self, sp: SamplingParamsModel, prompt_len: int) -> SamplingParams:
-        """The scheduler checks the prompt and max_new_tokens against its context and KV pool
-        (a 400 as the request's first output); --max-prompt-tokens is the front's own limit."""
+    def resolve_params(self, sp: SamplingParams, prompt_len: int) -> SamplingParams:
+        """The request's params with max_new_tokens a number. The scheduler checks the prompt
+        and max_new_tokens against its context and KV pool (a 400 as the request's first
+        output); --max-prompt-tokens and logit_bias's token ids are the front's to check."""
         # Unset: as many as fit, in the context and in the KV pool (which may be smaller).
         fits = min(self.context_len, self.max_total_num_tokens) - prompt_len
         max_new = sp.max_new_tokens if sp.max_new_tokens is not None else max(fits, 0)
         if self.args.max_prompt_tokens and prompt_len > self.args.max_prompt_tokens:
             raise RequestError(f"the prompt has {prompt_len} tokens; this server accepts at most "
                                f"{self.args.max_prompt_tokens} (--max-prompt-tokens)")
-        return SamplingParams(max_new_tokens=max_new, **sp.engine_fields())
+        bad = next((t for t in sp.logit_bias if int(t) >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary "
+                               f"[0, {self.vocab_size})")
+        out = copy.copy(sp)  # validated at the edge; copied, not validated again
+        out.max_new_tokens = max_new
+        return out
 
     async def generate(self, req: SingleGenerateReq, prompt_ids: list[int] | None = None
                        ) -> AsyncIterator[GenerateOutput]:
         """Yields one output per message; the last has its finish_reason set. If the consumer
         stops early (client gone), the request is aborted and its KV freed."""
         ids = prompt_ids if prompt_ids is not None else await self.tokenize(req)
-        params = self.to_sampling_params(req.sampling_params, len(ids))
+        params = self.resolve_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests
         running = self.args.max_running_requests * self.args.dp_size
         if limit is not None and len(self.states) >= limit + running:

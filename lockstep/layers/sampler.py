@@ -36,6 +36,9 @@ class SamplingBatchInfo:
     # token 32w + i) for the rows `vocab_mask_rows` [R]; other rows are not touched at all.
     vocab_mask: torch.Tensor | None = None
     vocab_mask_rows: list[int] | None = None
+    # OpenAI's logit_bias: (row, token ids, biases) for the rows that have one; each is added to
+    # its own row only, so a biased request leaves its batch neighbours' numbers bit for bit.
+    logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -97,10 +100,13 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, top_logprobs_num: int 
     """logits: [B, V] float32 raw model logits."""
     raw = logits
     logits = apply_penalties(logits, info)
-    if info.vocab_mask is not None:
+    if info.vocab_mask is not None or info.logit_bias:
         if logits is raw and (want_logprobs or top_logprobs_num):
             logits = logits.clone()  # logprobs are of the model's own distribution
-        apply_vocab_mask_(logits, info.vocab_mask, info.vocab_mask_rows)
+        for row, ids, bias in info.logit_bias or ():
+            logits[row].index_add_(0, ids, bias)
+        if info.vocab_mask is not None:
+            apply_vocab_mask_(logits, info.vocab_mask, info.vocab_mask_rows)
     if info.all_greedy:
         next_ids = argmax(logits)
     else:

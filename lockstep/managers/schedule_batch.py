@@ -240,6 +240,10 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
     if any(p.repetition_penalty != 1.0 for p in ps):
         info.repetition_penalties = f([p.repetition_penalty for p in ps])
         info.seen_mask = counts_matrix([r.fill_ids for r in reqs], vocab, device) > 0
+    biased = [(row, {int(t): b for t, b in p.logit_bias.items()}) for row, p in enumerate(ps)
+              if p.logit_bias]
+    if biased:
+        info.logit_bias = [(row, i(list(bias)), f(list(bias.values()))) for row, bias in biased]
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if rows and fill_masks is not None:
         info.vocab_mask = fill_masks([reqs[i].grammar for i in rows]).to(device)

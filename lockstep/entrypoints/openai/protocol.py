@@ -3,38 +3,41 @@ managers: `lockstep.entrypoints.generate_request`).
 
 Every request model forbids unknown fields and declares its constraints as types (`Literal`,
 `Field` bounds, shape-discriminated unions), so FastAPI validates them and /openapi.json states
-them. A field declared with at most 0 items or characters is one this server does not support
-but accepts empty, as OpenAI's clients often send it that way.
+them. The fields of SGLang's that lockstep does not serve are in lockstep.entrypoints.sglang_fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from lockstep.constrained.constraint import (
-    ConstraintError,
     SchemaObject,
-    constraint_from_fields,
     json_object_constraint,
     json_schema_constraint,
 )
-from lockstep.entrypoints.generate_request import (
-    INT32_MAX,
-    MAX_N,
+from lockstep.core import (
+    LogitBias,
+    MinP,
+    NewTokens,
     NonEmptyStr,
-    SamplingParamsModel,
+    Penalty,
+    RepetitionPenalty,
+    SampleCount,
+    SamplingParams,
     Seed,
     StopList,
     StopRegexList,
-    StrictModel,
+    Temperature,
     TokenId,
     TopK,
-    shaped,
-    str_or_list,
+    TopP,
 )
+from lockstep.entrypoints.generate_request import StrictModel, shaped, str_or_list
+from lockstep.entrypoints.sglang_fields import CHAT, COMPLETIONS
 from lockstep.entrypoints.tokenizer_manager import RequestError
 
 
@@ -67,11 +70,6 @@ PromptInput = shaped(
 
 # ---------------------------------------------------------------------------------------------
 # OpenAI requests
-
-
-# A field this server does not support, accepted only empty (OpenAI's clients send some empty).
-_T = TypeVar("_T")
-Unsupported = Annotated[_T, Field(max_length=0)]
 
 
 class StreamOptions(StrictModel):
@@ -114,22 +112,22 @@ ResponseFormat = Annotated[
 
 class _OpenAIRequest(StrictModel):
     model: str | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    n: SampleCount = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopList = Field(default_factory=list)
     seed: Seed | None = None
     user: str | None = None
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: Unsupported[dict[str, float]] | None = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    logit_bias: LogitBias = Field(default_factory=dict)
     # SGLang's extensions of the OpenAI API.
     top_k: TopK = -1
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_tokens: NewTokens = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[TokenId] = Field(default_factory=list)
@@ -139,6 +137,8 @@ class _OpenAIRequest(StrictModel):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+
+    _sampling_params: SamplingParams = PrivateAttr()
 
     def _json_schema(self) -> str | None:
         """The JSON schema constraint's text, from response_format."""
@@ -153,42 +153,48 @@ class _OpenAIRequest(StrictModel):
     def _check_common(self) -> _OpenAIRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        try:
-            constraint_from_fields(self.regex, self._json_schema(), self.ebnf)
-        except ConstraintError as e:
-            raise ValueError(str(e).replace("json_schema", "response_format.json_schema")
-                             .replace("Only one of regex, response_format.json_schema, or ebnf",
-                                      "Only one of regex, response_format, or ebnf")) from None
         limit = self._max_new_tokens()
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+        # The sampling params, built once, here: the fields both have by the same name, and
+        # OpenAI's names for the two lengths and the constraint.
+        shared = {f: getattr(self, f) for f in type(self).model_fields
+                  if f in SamplingParams.__dataclass_fields__}
+        try:
+            self._sampling_params = SamplingParams(**{
+                **shared, "json_schema": self._json_schema(),
+                "max_new_tokens": self._max_new_tokens(), "min_new_tokens": self.min_tokens})
+        except ValidationError as e:  # what only the whole can get wrong: the constraint
+            raise ValueError("; ".join(str(err.get("ctx", {}).get("error", err["msg"]))
+                                       for err in e.errors())
+                             .replace("json_schema", "response_format.json_schema")
+                             .replace("Only one of regex, response_format.json_schema, or ebnf",
+                                      "Only one of regex, response_format, or ebnf")) from None
         return self
 
     def _max_new_tokens(self) -> int | None:
         raise NotImplementedError
 
-    def to_sampling_params(self, json_schema: str | None = None) -> SamplingParamsModel:
+    def to_sampling_params(self, json_schema: str | None = None) -> SamplingParams:
         """`json_schema`: a constraint the route adds (a forced tool call); RequestError (400)
         when the request has its own constraint too."""
-        own = self._json_schema()
-        if json_schema is not None and (own is not None or self.regex or self.ebnf):
+        if json_schema is None:
+            return self._sampling_params
+        if self._sampling_params.constraint is not None:
             raise RequestError("a forced tool call cannot be combined with response_format, "
                                "regex or ebnf: only one constraint applies to an output")
-        # The fields both have by the same name (logit_bias here is at most empty), and
-        # OpenAI's names for the two lengths.
-        shared = self.model_dump(include=set(SamplingParamsModel.model_fields) - {"logit_bias"})
-        return SamplingParamsModel(**shared, json_schema=own if own is not None else json_schema,
-                                   max_new_tokens=self._max_new_tokens(),
-                                   min_new_tokens=self.min_tokens)
+        return dataclasses.replace(self._sampling_params, json_schema=json_schema)
 
 
 class CompletionRequest(_OpenAIRequest):
+    _sglang_fields = COMPLETIONS
+
     prompt: PromptInput
-    max_tokens: int = Field(16, ge=0, le=INT32_MAX)
+    max_tokens: NewTokens = 16
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    suffix: Unsupported[str] | None = None  # no fill-in-the-middle
     best_of: int | None = None
+    json_schema: str | None = None  # SGLang's: a JSON schema (text) the output must match
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
@@ -200,6 +206,13 @@ class CompletionRequest(_OpenAIRequest):
 
     def _max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+    def _json_schema(self) -> str | None:
+        fmt = super()._json_schema()
+        if fmt is not None and self.json_schema is not None:
+            raise ValueError("Only one of regex, response_format, or ebnf can be set "
+                             "(json_schema is a response format too)")
+        return self.json_schema if self.json_schema is not None else fmt
 
 
 class TextPart(StrictModel):
@@ -283,9 +296,11 @@ class ChatMessage(StrictModel):
 
 
 class ChatCompletionRequest(_OpenAIRequest):
+    _sglang_fields = CHAT
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
-    max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    max_tokens: NewTokens | None = None
+    max_completion_tokens: NewTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Checked together, against the server's tool-call parser, in lockstep.entrypoints.openai.tool_calls.
@@ -342,10 +357,15 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

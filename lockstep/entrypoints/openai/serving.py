@@ -40,6 +40,7 @@ from lockstep.entrypoints.openai.protocol import (
     DeltaMessage,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -396,13 +397,16 @@ def _without_null_usage(chunk: Any) -> dict[str, Any]:
 
 def usage_of(singles: Iterable[SingleGenerateReq], finals: Iterable[GenerateOutput | None]
              ) -> UsageInfo:
-    """Prompt tokens once per prompt (not per sample, as OpenAI counts), completion tokens of all."""
-    prompt = completion = 0
+    """Prompt (and cached prompt) tokens once per prompt (not per sample, as OpenAI counts),
+    completion tokens of all."""
+    prompt = completion = cached = 0
     for s, item in zip(singles, finals):
         if item is None:
             continue
         if s.sample_index == 0:
             prompt += item.prompt_tokens
+            cached += item.cached_tokens
         completion += item.completion_tokens
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
