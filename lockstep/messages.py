@@ -14,14 +14,22 @@ from lockstep.core import FINISH_ABORT, BaseFinishReason, SamplingParams, TokenL
 
 @dataclass
 class TokenizedGenerateReq:
+    """One prompt, one sample: the front process's single request (its routes fan a batch and n
+    out into these) and, once the tokenizer manager has filled in input_ids and resolved
+    max_new_tokens, the message the scheduler gets."""
+
     rid: str
-    input_ids: list[int]
+    input_ids: list[int] | None  # None until the tokenizer manager tokenizes input_text
     sampling_params: SamplingParams
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
     input_text: str | None = None
+    # The front process's own: logprob entries get their text; the sample's place in its request.
+    return_text_in_logprobs: bool = False
+    prompt_index: int = 0
+    sample_index: int = 0
 
 
 @dataclass

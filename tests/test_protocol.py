@@ -10,11 +10,11 @@ from lockstep.core import (
     FINISH_LENGTH,
     FINISH_MATCHED_STR,
     FINISH_MATCHED_TOKEN,
+    SamplingParams,
     TokenLogprob,
 )
 from lockstep.entrypoints import sglang_fields
 from lockstep.entrypoints.errors import format_validation_error
-from lockstep.core import SamplingParams
 from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -30,7 +30,7 @@ from lockstep.entrypoints.openai.serving import (
     finish_of,
     usage_of,
 )
-from lockstep.entrypoints.tokenizer_manager import GenerateOutput
+from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError
 from lockstep.utils.http import ErrorResponse, dumps, error_body
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -382,7 +382,7 @@ def test_generate_single_text_defaults():
     assert req.stream is False and req.return_logprob is False
     assert req.logprob_start_len == -1 and req.top_logprobs_num == 0
     (single,) = req.normalize()
-    assert single.text == "Hello" and single.input_ids is None
+    assert single.input_text == "Hello" and single.input_ids is None
     assert single.sampling_params == SamplingParams() and len(single.rid) == 32
 
 
@@ -400,7 +400,6 @@ def test_generate_batch_fan_out_with_per_item_params_and_n():
     out = req.normalize()
     assert [r.rid for r in out] == ["a-0", "a-1", "b"]
     assert [r.input_ids for r in out] == [[1, 2], [1, 2], [3]]
-    assert [r.index for r in out] == [0, 1, 2]
     assert [(r.prompt_index, r.sample_index) for r in out] == [(0, 0), (0, 1), (1, 0)]
     assert [r.sampling_params.n for r in out] == [1, 1, 1]
     assert [r.sampling_params.seed for r in out] == [7, 8, None]
@@ -414,7 +413,7 @@ def test_generate_batch_shares_one_sampling_params_dict():
         {"text": ["x", "y", "z"], "sampling_params": {"n": 2, "temperature": 0.5}}
     )
     out = req.normalize()
-    assert len(out) == 6 and [r.text for r in out] == ["x", "x", "y", "y", "z", "z"]
+    assert len(out) == 6 and [r.input_text for r in out] == ["x", "x", "y", "y", "z", "z"]
     assert len({r.rid for r in out}) == 6
     assert all(r.sampling_params.temperature == 0.5 and r.sampling_params.n == 1 for r in out)
 
@@ -651,3 +650,16 @@ def test_one_sampling_params_type_from_the_body_to_the_scheduler():
     gen = GenerateReqInput.model_validate(
         {"text": "a", "sampling_params": {"sampling_seed": 4, "logit_bias": {"7": -100}}})
     assert type(gen.sampling_params) is SamplingParams and gen.sampling_params.seed == 4
+
+
+def test_fan_out_refuses_too_many_generations_before_building_any():
+    req = GenerateReqInput.model_validate({"text": ["a", "b", "c"], "sampling_params": {"n": 2}})
+    with pytest.raises(RequestError, match="fans out into 6 generations"):
+        req.normalize(limit=5)
+    assert len(req.normalize(limit=6)) == 6
+
+
+def test_completion_prompts_build_single_requests_directly():
+    for prompt, want in (("a", [("a", None)]), (["a", "b"], [("a", None), ("b", None)]),
+                         ([1, 2], [(None, [1, 2])]), ([[1], [2, 3]], [(None, [1]), (None, [2, 3])])):
+        assert CompletionRequest.model_validate({"prompt": prompt}).prompts() == want

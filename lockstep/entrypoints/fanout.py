@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from lockstep.core import FINISH_ABORT
-from lockstep.entrypoints.generate_request import GenerateReqInput, SingleGenerateReq
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
+from lockstep.messages import TokenizedGenerateReq
 from lockstep.utils.asgi import unless_disconnected
 
 
@@ -35,7 +35,7 @@ class Fanout:
     raises RequestError if any was refused. Always `close()` it (also safe inside a cancelled
     task): requests still running are aborted."""
 
-    def __init__(self, tm: TokenizerManager, singles: list[SingleGenerateReq]) -> None:
+    def __init__(self, tm: TokenizerManager, singles: list[TokenizedGenerateReq]) -> None:
         self.tm = tm
         self.singles = singles
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -43,7 +43,7 @@ class Fanout:
         self.buffer: list[tuple[int, GenerateOutput]] = []
         self.open = len(singles)
 
-    async def _pump(self, index: int, single: SingleGenerateReq) -> None:
+    async def _pump(self, index: int, single: TokenizedGenerateReq) -> None:
         try:
             async with contextlib.aclosing(self.tm.generate(single)) as gen:
                 async for item in gen:
@@ -106,17 +106,7 @@ class Fanout:
                 task.cancel()
 
 
-def check_fanout(gen_in: GenerateReqInput, limit: int) -> None:
-    """Refuse a request that would fan out into more than `limit` generations (prompts x n)
-    before any of them is built."""
-    sp = gen_in.sampling_params
-    size = sum(p.n for p in sp) if isinstance(sp, list) else gen_in.batch_size * sp.n
-    if size > limit:
-        raise RequestError(f"this request fans out into {size} generations (prompts x n); "
-                           f"the limit is {limit} (--max-batch-size)")
-
-
-async def run_to_completion(tm: TokenizerManager, singles: list[SingleGenerateReq],
+async def run_to_completion(tm: TokenizerManager, singles: list[TokenizedGenerateReq],
                             request: Request | None) -> list[GenerateOutput]:
     """Non-streaming: every request's final output; a refused request raises RequestError, a
     disconnected client raises starlette's ClientDisconnect (its requests are aborted)."""
@@ -137,7 +127,7 @@ async def run_to_completion(tm: TokenizerManager, singles: list[SingleGenerateRe
     return finals
 
 
-async def start_stream(tm: TokenizerManager, singles: list[SingleGenerateReq],
+async def start_stream(tm: TokenizerManager, singles: list[TokenizedGenerateReq],
                        request: Request | None) -> Fanout:
     """Streaming: a started Fanout (errors are raised here, before any byte is sent)."""
     fan = Fanout(tm, singles)

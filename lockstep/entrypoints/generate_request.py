@@ -1,6 +1,7 @@
 """The request a generation starts from, validated: SGLang's /generate body (`GenerateReqInput`,
-also the offline Engine's arguments; its sampling params are lockstep.core.SamplingParams), and the single requests
-(`SingleGenerateReq`: one prompt, one sample) it fans out into, which the TokenizerManager runs.
+also the offline Engine's arguments; its sampling params are lockstep.core.SamplingParams), and
+`fan_out`, which turns it (or an OpenAI request) into single requests, one prompt and one sample
+each (messages.TokenizedGenerateReq), which the TokenizerManager runs.
 
 Every request model forbids unknown fields: a parameter that is silently ignored is a wrong answer
 the client cannot see. A JSON null counts as "not given", as in OpenAI's API. Constraints are
@@ -12,7 +13,6 @@ from __future__ import annotations
 import copy
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any, ClassVar, Union
 
@@ -28,6 +28,8 @@ from pydantic import (
 
 from lockstep.core import NonEmptyStr, SamplingParams, TokenId, null_means_unset_schema
 from lockstep.entrypoints.sglang_fields import GENERATE, SAMPLING_PARAMS, Table, drop_off_fields
+from lockstep.entrypoints.tokenizer_manager import RequestError
+from lockstep.messages import TokenizedGenerateReq
 
 
 def shaped(branches: dict[str, Any], pick: Callable[[Any], str | None], expected: str) -> Any:
@@ -117,24 +119,6 @@ SamplingParamsInput = shaped(
 )
 
 
-@dataclass(slots=True)
-class SingleGenerateReq:
-    """One prompt, one sample: what the tokenizer manager schedules."""
-
-    rid: str
-    text: str | None
-    input_ids: list[int] | None
-    sampling_params: SamplingParams
-    stream: bool
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
-    return_text_in_logprobs: bool
-    index: int  # position among all fanned-out requests: prompt-major, then sample
-    prompt_index: int
-    sample_index: int
-
-
 class GenerateReqInput(StrictModel):
     """Body of SGLang's native /generate."""
 
@@ -189,47 +173,46 @@ class GenerateReqInput(StrictModel):
             raise ValueError("top_logprobs_num: requires return_logprob to be true")
         return self
 
-    def normalize(self) -> list[SingleGenerateReq]:
-        """Fans a batch and n > 1 out into single requests (rids `{rid}-{i}` for the samples)."""
-        size = self.batch_size
+    def normalize(self, limit: int | None = None) -> list[TokenizedGenerateReq]:
+        """The single requests this body fans out into (see fan_out)."""
         if self.text is not None:
             texts = self.text if isinstance(self.text, list) else [self.text]
-            prompts: list[tuple[str | None, list[int] | None]] = [(t, None) for t in texts]
+            prompts: list[Prompt] = [(t, None) for t in texts]
         else:
             ids = self.input_ids if self.is_batch else [self.input_ids]
-            prompts = [(None, list(p)) for p in ids]  # type: ignore[union-attr]
-        params = _per_prompt(self.sampling_params, size)
-        rids = (
-            _per_prompt(self.rid, size)
-            if self.rid is not None
-            else [uuid.uuid4().hex for _ in prompts]
-        )
-        logprob_flags = _per_prompt(self.return_logprob, size)
+            prompts = [(None, p) for p in ids]  # type: ignore[union-attr]
+        size = len(prompts)
+        return fan_out(
+            prompts, _per_prompt(self.sampling_params, size), limit=limit,
+            rids=_per_prompt(self.rid, size) if self.rid is not None else None,
+            return_logprob=_per_prompt(self.return_logprob, size), stream=self.stream,
+            logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
+            return_text_in_logprobs=self.return_text_in_logprobs)
 
-        out: list[SingleGenerateReq] = []
-        for b, ((text, input_ids), sp, rid) in enumerate(zip(prompts, params, rids)):
-            for i in range(sp.n):
-                # Each sample gets its own seed, or seeded samples would all be the same text.
-                single = sp if sp.n == 1 else _nth_sample(sp, i)
-                out.append(
-                    SingleGenerateReq(
-                        rid=rid if sp.n == 1 else f"{rid}-{i}",
-                        text=text,
-                        input_ids=input_ids,
-                        sampling_params=single,
-                        stream=self.stream,
-                        return_logprob=logprob_flags[b],
-                        logprob_start_len=self.logprob_start_len,
-                        top_logprobs_num=self.top_logprobs_num,
-                        return_text_in_logprobs=self.return_text_in_logprobs,
-                        index=len(out),
-                        prompt_index=b,
-                        sample_index=i,
-                    )
-                )
-        if len({r.rid for r in out}) != len(out):
-            raise ValueError("rid: the fanned-out rids collide; choose distinct rids")
-        return out
+
+Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): one of them
+
+
+def fan_out(prompts: list[Prompt], params: list[SamplingParams], *, limit: int | None = None,
+            rids: list[str] | None = None, return_logprob: list[bool] | bool = False,
+            **common: Any) -> list[TokenizedGenerateReq]:
+    """One request per prompt and sample, prompt-major (rids `{rid}-{i}` for the samples); what
+    /generate, the OpenAI routes and the Engine run. More than `limit` generations (prompts x n)
+    is a RequestError before any request is built."""
+    size = sum(p.n for p in params)
+    if limit is not None and size > limit:
+        raise RequestError(f"this request fans out into {size} generations (prompts x n); "
+                           f"the limit is {limit} (--max-batch-size)")
+    rids = rids if rids is not None else [uuid.uuid4().hex for _ in prompts]
+    flags = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(prompts)
+    out = [TokenizedGenerateReq(rid if sp.n == 1 else f"{rid}-{i}", ids,
+                                sp if sp.n == 1 else _nth_sample(sp, i), flag, input_text=text,
+                                prompt_index=b, sample_index=i, **common)
+           for b, ((text, ids), sp, rid, flag) in enumerate(zip(prompts, params, rids, flags))
+           for i in range(sp.n)]
+    if len({r.rid for r in out}) != len(out):
+        raise RequestError("rid: the fanned-out rids collide; choose distinct rids")
+    return out
 
 
 def _per_prompt(value: Any, size: int) -> list[Any]:

@@ -22,9 +22,10 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from lockstep import __version__
+from lockstep.core import SamplingParams
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
-from lockstep.entrypoints.fanout import check_fanout, run_to_completion, start_stream
+from lockstep.entrypoints.fanout import run_to_completion, start_stream
 from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.entrypoints.metrics import CONTENT_TYPE, Metrics
 from lockstep.entrypoints.middleware import (
@@ -49,7 +50,8 @@ from lockstep.entrypoints.openai.tokenize import (
     detokenize,
     tokenize,
 )
-from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
+from lockstep.entrypoints.tokenizer_manager import GenerateOutput, TokenizerManager
+from lockstep.messages import TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, ErrorResponse, error_response, json_response, sse
@@ -92,11 +94,7 @@ class NativeServing:
         self.max_batch_size = args.max_batch_size
 
     async def generate(self, obj: GenerateReqInput, request: Request | None) -> Response:
-        check_fanout(obj, self.max_batch_size)
-        try:
-            singles = obj.normalize()
-        except ValueError as e:
-            raise RequestError(str(e)) from e
+        singles = obj.normalize(self.max_batch_size)
         many = obj.is_batch or len(singles) > 1
         if obj.stream:
             fan = await start_stream(self.tm, singles, request)
@@ -178,9 +176,8 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     async def health_generate() -> Response:
         tok = tm.tokenizer
         first = tok.bos_token_id if tok.bos_token_id is not None else 0
-        single = GenerateReqInput(
-            input_ids=[first], rid=f"health-{uuid.uuid4().hex}",
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0}).normalize()
+        single = [TokenizedGenerateReq(f"health-{uuid.uuid4().hex}", [first],
+                                       SamplingParams(max_new_tokens=1, temperature=0.0))]
         try:
             await asyncio.wait_for(run_to_completion(tm, single, None), HEALTH_GENERATE_TIMEOUT)
         except asyncio.TimeoutError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import logging
 import time
@@ -25,7 +26,6 @@ from lockstep.core import (
     SamplingParams,
     TokenLogprob,
 )
-from lockstep.entrypoints.generate_request import SingleGenerateReq
 from lockstep.messages import (
     AbortReq,
     BatchStrOut,
@@ -187,10 +187,10 @@ class TokenizerManager:
                 f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return list(ids)
 
-    async def tokenize(self, req: SingleGenerateReq) -> list[int]:
+    async def tokenize(self, req: TokenizedGenerateReq) -> list[int]:
         if req.input_ids is not None:  # the scheduler checks them against its vocabulary
             return list(req.input_ids)
-        return await self.tokenize_text(req.text or "")
+        return await self.tokenize_text(req.input_text or "")
 
     def resolve_params(self, sp: SamplingParams, prompt_len: int) -> SamplingParams:
         """The request's params with max_new_tokens a number. The scheduler checks the prompt
@@ -202,19 +202,15 @@ class TokenizerManager:
         if self.args.max_prompt_tokens and prompt_len > self.args.max_prompt_tokens:
             raise RequestError(f"the prompt has {prompt_len} tokens; this server accepts at most "
                                f"{self.args.max_prompt_tokens} (--max-prompt-tokens)")
-        bad = next((t for t in sp.logit_bias if int(t) >= self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary "
-                               f"[0, {self.vocab_size})")
+        self.check_ids([int(t) for t in sp.logit_bias], "logit_bias")
         out = copy.copy(sp)  # validated at the edge; copied, not validated again
         out.max_new_tokens = max_new
         return out
 
-    async def generate(self, req: SingleGenerateReq, prompt_ids: list[int] | None = None
-                       ) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, req: TokenizedGenerateReq) -> AsyncIterator[GenerateOutput]:
         """Yields one output per message; the last has its finish_reason set. If the consumer
         stops early (client gone), the request is aborted and its KV freed."""
-        ids = prompt_ids if prompt_ids is not None else await self.tokenize(req)
+        ids = await self.tokenize(req)
         params = self.resolve_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests
         running = self.args.max_running_requests * self.args.dp_size
@@ -227,9 +223,8 @@ class TokenizerManager:
         state = ReqState(rid, ids, req.stream)
         self.states[rid] = state
         self.start()
-        await self.to_scheduler.send(encode(TokenizedGenerateReq(
-            rid, ids, params, req.return_logprob, req.logprob_start_len, req.top_logprobs_num,
-            req.stream, req.text)))
+        await self.to_scheduler.send(encode(dataclasses.replace(
+            req, rid=rid, input_ids=ids, sampling_params=params)))
         try:
             while True:
                 out: ReqOutput = await state.queue.get()
@@ -241,7 +236,7 @@ class TokenizerManager:
             if not state.finished:
                 await self.abort(rid)
 
-    def _merge(self, state: ReqState, out: ReqOutput, req: SingleGenerateReq
+    def _merge(self, state: ReqState, out: ReqOutput, req: TokenizedGenerateReq
                ) -> GenerateOutput:
         now = time.perf_counter()
         for observe in self.observers:

@@ -207,6 +207,12 @@ class CompletionRequest(_OpenAIRequest):
     def _max_new_tokens(self) -> int | None:
         return self.max_tokens
 
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
+        """(text, token ids) of each prompt."""
+        p = self.prompt
+        many = p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+        return [(x, None) if isinstance(x, str) else (None, x) for x in many]
+
     def _json_schema(self) -> str | None:
         fmt = super()._json_schema()
         if fmt is not None and self.json_schema is not None:
@@ -334,17 +340,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         """Messages for a chat template: content flattened to text, the other fields kept when
         given."""
-        out = []
-        for m in self.messages:
-            d: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                d["name"] = m.name
-            if m.tool_calls is not None:
-                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                d["tool_call_id"] = m.tool_call_id
-            out.append(d)
-        return out
+        return [{**m.model_dump(exclude_none=True, include={"name", "tool_calls", "tool_call_id"}),
+                 "role": m.role, "content": m.text()} for m in self.messages]
 
 
 # ---------------------------------------------------------------------------------------------

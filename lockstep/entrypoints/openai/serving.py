@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lockstep.core import TokenLogprob
-from lockstep.entrypoints.fanout import Fanout, check_fanout, run_to_completion, start_stream
-from lockstep.entrypoints.generate_request import GenerateReqInput, SingleGenerateReq
+from lockstep.entrypoints.fanout import Fanout, run_to_completion, start_stream
+from lockstep.entrypoints.generate_request import fan_out
 from lockstep.entrypoints.openai.chat_templates import (
     ChatTemplateError,
     render_chat,
@@ -56,6 +56,7 @@ from lockstep.entrypoints.openai.tool_calls import (
 )
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
 from lockstep.function_call import default_parser_name
+from lockstep.messages import TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, json_response, sse
@@ -203,17 +204,15 @@ class OpenAIServing:
     # ---- /v1/completions --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
-        prompt = req.prompt
-        is_text = isinstance(prompt, str) or isinstance(prompt[0], str)
         want_lp = req.logprobs is not None
-        gen_in = GenerateReqInput(
-            **{"text" if is_text else "input_ids": prompt},
-            sampling_params=req.to_sampling_params(), stream=req.stream,
-            return_logprob=want_lp, logprob_start_len=0 if (want_lp and req.echo) else -1,
+        prompts = req.prompts()
+        singles = fan_out(
+            prompts, [req.to_sampling_params()] * len(prompts), limit=self.args.max_batch_size,
+            stream=req.stream, return_logprob=want_lp,
+            logprob_start_len=0 if (want_lp and req.echo) else -1,
             top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True)
-        check_fanout(gen_in, self.args.max_batch_size)
-        singles = gen_in.normalize()
-        prompts_text = self._prompt_texts(gen_in) if req.echo else None
+        prompts_text = ([t if t is not None else self.tm.tokenizer.decode(ids)
+                         for t, ids in prompts] if req.echo else None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
@@ -222,27 +221,21 @@ class OpenAIServing:
                                                        created))
         finals = await run_to_completion(self.tm, singles, request)
         choices = []
-        for s, item in zip(singles, finals):
+        for index, (s, item) in enumerate(zip(singles, finals)):
             prefix = prompts_text[s.prompt_index] if prompts_text else ""
             lp = None
             if want_lp:
                 entries, tops = _LogprobCursor().take(item, with_prompt=req.echo)
                 lp = completion_logprobs(entries, tops, req.logprobs or 0)
             finish, matched = finish_of(item)
-            choices.append(CompletionChoice(index=s.index, text=prefix + item.text, logprobs=lp,
+            choices.append(CompletionChoice(index=index, text=prefix + item.text, logprobs=lp,
                                             finish_reason=finish, matched_stop=matched))
         resp = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                   usage=usage_of(singles, finals))
         return json_response(resp.model_dump())
 
-    def _prompt_texts(self, gen_in: GenerateReqInput) -> list[str]:
-        if gen_in.text is not None:
-            return list(gen_in.text) if isinstance(gen_in.text, list) else [gen_in.text]
-        ids = gen_in.input_ids if gen_in.is_batch else [gen_in.input_ids]
-        return [self.tm.tokenizer.decode(p) for p in ids]  # type: ignore[union-attr]
-
     async def _completion_stream(self, fan: Fanout, req: CompletionRequest,
-                                 singles: list[SingleGenerateReq], prompts_text: list[str] | None,
+                                 singles: list[TokenizedGenerateReq], prompts_text: list[str] | None,
                                  rid: str, created: int) -> AsyncIterator[bytes]:
         cursors = [_LogprobCursor() for _ in singles]
         offsets = [0] * len(singles)
@@ -267,7 +260,7 @@ class OpenAIServing:
                     continue
                 chunk = CompletionStreamResponse(
                     id=rid, created=created, model=self.model_name,
-                    choices=[CompletionChoice(index=s.index, text=text, logprobs=lp,
+                    choices=[CompletionChoice(index=index, text=text, logprobs=lp,
                                               finish_reason=finish, matched_stop=matched)])
                 yield sse(_without_null_usage(chunk))
             if req.stream_options is not None and req.stream_options.include_usage:
@@ -285,12 +278,10 @@ class OpenAIServing:
         ids, prompt = await self.render_chat_prompt(req, plan)
         forced = plan.json_schema() if plan is not None else None  # "required" or named
         params = req.to_sampling_params(forced)
-        gen_in = GenerateReqInput(
-            input_ids=ids, sampling_params=params, stream=req.stream,
-            return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
-            return_text_in_logprobs=True)
-        check_fanout(gen_in, self.args.max_batch_size)
-        singles = gen_in.normalize()
+        singles = fan_out(
+            [(None, ids)], [params], limit=self.args.max_batch_size,
+            stream=req.stream, return_logprob=req.logprobs,
+            top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True)
         thinking = self.reasoning_parsers(req, prompt, params.json_schema is not None,
                                           len(singles))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -300,7 +291,7 @@ class OpenAIServing:
             return SSEResponse(self._chat_stream(fan, req, singles, rid, created, plan, thinking))
         finals = await run_to_completion(self.tm, singles, request)
         choices = []
-        for s, item, think in zip(singles, finals, thinking):
+        for index, (item, think) in enumerate(zip(finals, thinking)):
             lp = None
             if req.logprobs:
                 lp = chat_logprobs(*_LogprobCursor().take(item, with_prompt=False))
@@ -308,7 +299,7 @@ class OpenAIServing:
             reasoning, text = think.parse(item.text) if think is not None else (None, item.text)
             content, calls, finish = complete_reply(plan, text, finish)
             choices.append(ChatCompletionChoice(
-                index=s.index, message=ChatResponseMessage(
+                index=index, message=ChatResponseMessage(
                     content=content, reasoning_content=reasoning, tool_calls=calls),
                 logprobs=lp, finish_reason=finish, matched_stop=matched))
         resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name,
@@ -316,7 +307,7 @@ class OpenAIServing:
         return json_response(resp.model_dump())
 
     async def _chat_stream(self, fan: Fanout, req: ChatCompletionRequest,
-                           singles: list[SingleGenerateReq], rid: str, created: int,
+                           singles: list[TokenizedGenerateReq], rid: str, created: int,
                            plan: ToolPlan | None, thinking: list[ReasoningParser | None]
                            ) -> AsyncIterator[bytes]:
         cursors = [_LogprobCursor() for _ in singles]
@@ -330,12 +321,11 @@ class OpenAIServing:
 
         try:
             async for index, item in fan.items():
-                s = singles[index]
                 finals[index] = item
                 if not started[index]:
                     started[index] = True
                     yield chunk(ChatCompletionStreamChoice(
-                        index=s.index, delta=DeltaMessage(role="assistant", content="")))
+                        index=index, delta=DeltaMessage(role="assistant", content="")))
                 lp = None
                 if req.logprobs:
                     lp = chat_logprobs(*cursors[index].take(item, with_prompt=False))
@@ -349,7 +339,7 @@ class OpenAIServing:
                         reasoning, text = reasoning + more_reasoning, text + more_text
                     if reasoning:
                         yield chunk(ChatCompletionStreamChoice(
-                            index=s.index, delta=DeltaMessage(reasoning_content=reasoning)))
+                            index=index, delta=DeltaMessage(reasoning_content=reasoning)))
                 stream = tools[index]
                 if stream is not None:  # the parser holds back what may be call markup
                     text, calls = stream.feed(text)
@@ -359,13 +349,13 @@ class OpenAIServing:
                         finish = finish_reason(finish, stream.has_calls)
                 if text or (lp and lp.content):
                     yield chunk(ChatCompletionStreamChoice(
-                        index=s.index, delta=DeltaMessage(content=text), logprobs=lp))
+                        index=index, delta=DeltaMessage(content=text), logprobs=lp))
                 if calls:
                     yield chunk(ChatCompletionStreamChoice(
-                        index=s.index, delta=DeltaMessage(tool_calls=calls)))
+                        index=index, delta=DeltaMessage(tool_calls=calls)))
                 if finish is not None:
                     yield chunk(ChatCompletionStreamChoice(
-                        index=s.index, delta=DeltaMessage(), finish_reason=finish,
+                        index=index, delta=DeltaMessage(), finish_reason=finish,
                         matched_stop=matched))
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse(ChatCompletionStreamResponse(
@@ -395,7 +385,7 @@ def _without_null_usage(chunk: Any) -> dict[str, Any]:
     return data
 
 
-def usage_of(singles: Iterable[SingleGenerateReq], finals: Iterable[GenerateOutput | None]
+def usage_of(singles: Iterable[TokenizedGenerateReq], finals: Iterable[GenerateOutput | None]
              ) -> UsageInfo:
     """Prompt (and cached prompt) tokens once per prompt (not per sample, as OpenAI counts),
     completion tokens of all."""
