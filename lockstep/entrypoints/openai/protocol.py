@@ -156,8 +156,7 @@ class _OpenAIRequest(StrictModel):
         limit = self._max_new_tokens()
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
-        # The sampling params, built once, here: the fields both have by the same name, and
-        # OpenAI's names for the two lengths and the constraint.
+        # The sampling params, built once: the fields both name alike, and OpenAI's lengths.
         shared = {f: getattr(self, f) for f in type(self).model_fields
                   if f in SamplingParams.__dataclass_fields__}
         try:
