@@ -187,7 +187,6 @@ class _OpenAIRequest(StrictModel):
 
 class CompletionRequest(_OpenAIRequest):
     _sglang_fields = COMPLETIONS
-
     prompt: PromptInput
     max_tokens: NewTokens = 16
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -206,18 +205,15 @@ class CompletionRequest(_OpenAIRequest):
     def _max_new_tokens(self) -> int | None:
         return self.max_tokens
 
-    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
-        """(text, token ids) of each prompt."""
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:  # (text, ids) per prompt
         p = self.prompt
         many = p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
         return [(x, None) if isinstance(x, str) else (None, x) for x in many]
 
     def _json_schema(self) -> str | None:
-        fmt = super()._json_schema()
-        if fmt is not None and self.json_schema is not None:
-            raise ValueError("Only one of regex, response_format, or ebnf can be set "
-                             "(json_schema is a response format too)")
-        return self.json_schema if self.json_schema is not None else fmt
+        if self.json_schema is not None and self.response_format is not None:
+            raise ValueError("json_schema: give it or response_format, not both")
+        return self.json_schema if self.json_schema is not None else super()._json_schema()
 
 
 class TextPart(StrictModel):
@@ -302,7 +298,6 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(_OpenAIRequest):
     _sglang_fields = CHAT
-
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: NewTokens | None = None
     max_completion_tokens: NewTokens | None = None
