@@ -53,7 +53,7 @@ def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def decode_time(sched, ids: list[int], constraint: Constraint | None, tokens: int, rid: str) -> float:
     params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True,
-                            constraint=constraint)
+                            **({constraint.kind: constraint.text} if constraint else {}))
     sched.step([TokenizedGenerateReq(rid, ids, params)])  # prefill + first token
     GRAMMAR_SECONDS[0] = 0.0
     t0 = time.perf_counter()

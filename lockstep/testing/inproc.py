@@ -31,6 +31,9 @@ def make_scheduler(model_path: Any, **overrides: Any) -> Scheduler:
 
 def greedy_req(rid: str, ids: list[int], max_new: int, **kw: Any) -> TokenizedGenerateReq:
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    constraint = kw.pop("constraint", None)  # carried as the field of its kind (regex, ...)
+    if constraint is not None:
+        setattr(params, constraint.kind, constraint.text)
     for k in list(kw):
         if hasattr(params, k):
             setattr(params, k, kw.pop(k))
