@@ -200,8 +200,12 @@ def test_logit_bias_leaves_batch_neighbours_unchanged(http, server, tok):
     plain, mixed = runs
     for i in (0, 2):
         assert mixed[i]["output_ids"] == plain[i]["output_ids"]
-        assert (mixed[i]["meta_info"]["output_token_logprobs"]
-                == plain[i]["meta_info"]["output_token_logprobs"])
+        # Bit for bit in the sampler (test_sampler); here the three requests may be admitted in
+        # different steps in the two runs, and a prefill's rounding on this path can follow its
+        # batch (seen: 1e-6 on the first token), so the logprobs are compared to 1e-4.
+        got, want = (r[i]["meta_info"]["output_token_logprobs"] for r in (mixed, plain))
+        assert [t[1] for t in got] == [t[1] for t in want]
+        assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(got, want))
     assert set(mixed[1]["output_ids"]) == {target} != set(plain[1]["output_ids"])
     # OpenAI's spelling: the same bias through /v1/completions.
     r = http.post(server.url + "/v1/completions", timeout=120, json={
