@@ -565,7 +565,7 @@ def test_error_body_has_openai_shape():
 
 
 def test_incremental_stream_sends_each_logprob_once():
-    from lockstep.entrypoints.http_server import _meta_delta
+    from lockstep.entrypoints.fanout import meta_delta as _meta_delta
 
     outs, ins = [TokenLogprob(-0.1, 1)], [TokenLogprob(None, 5), TokenLogprob(-2.0, 6)]
     item = _output("r", 2, 1, output_token_logprobs=outs, input_token_logprobs=ins)

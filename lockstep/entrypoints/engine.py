@@ -16,8 +16,8 @@ It starts the same processes as `lockstep serve` (the shared launch path) and ru
 TokenizerManager on a private asyncio loop in a background thread, so `generate` works from
 plain synchronous code and `async_generate` from any event loop. Outputs are SGLang's dicts:
 {"text", "output_ids", "meta_info"}; a list for a list of prompts (or n > 1). Streaming yields
-the same dicts, each carrying the whole text so far (only the new text and ids with
-incremental_streaming_output=True); a batch stream adds "index".
+the same dicts, each carrying the whole text so far (only what each adds with
+incremental_streaming_output=True, as the HTTP stream does); a batch stream adds "index".
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ from lockstep.core import FINISH_ABORT
 from lockstep.detokenizer.detokenizer_manager import run_detokenizer_process
 from lockstep.detokenizer.incremental_detokenizer import load_tokenizer
 from lockstep.entrypoints.errors import format_validation_error
-from lockstep.entrypoints.fanout import Fanout, run_to_completion, start_stream
+from lockstep.entrypoints.fanout import (
+    Fanout,
+    run_to_completion,
+    sglang_chunks,
+    sglang_output,
+    start_stream,
+)
 from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput, TokenizerManager
 from lockstep.managers.data_parallel_controller import run_data_parallel_controller
@@ -311,23 +317,12 @@ class Engine:
             raise ValueError(format_validation_error(e)) from None
         return singles, obj.is_batch or len(singles) > 1
 
-    async def _chunks(self, fan: Fanout, many: bool) -> AsyncIterator[dict[str, Any]]:
-        incremental = self.server_args.incremental_streaming_output
-        try:
-            async for index, item in fan.items():
-                chunk = {"text": item.text_delta if incremental else item.text,
-                         "output_ids": item.new_token_ids if incremental else item.output_ids,
-                         "meta_info": item.meta_info()}
-                if many:
-                    chunk["index"] = index
-                yield chunk
-        finally:
-            fan.close()
+    def _chunks(self, fan: Fanout, many: bool) -> AsyncIterator[dict[str, Any]]:
+        return sglang_chunks(fan, self.server_args.incremental_streaming_output, many)
 
     @staticmethod
     def _shape(finals: list[GenerateOutput], many: bool) -> Any:
-        outs = [{"text": f.text, "output_ids": f.output_ids, "meta_info": f.meta_info()}
-                for f in finals]
+        outs = [sglang_output(f) for f in finals]
         return outs if many else outs[0]
 
     # ---- API -----------------------------------------------------------------------------

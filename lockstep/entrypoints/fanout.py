@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request
 
@@ -133,3 +134,34 @@ async def start_stream(tm: TokenizerManager, singles: list[TokenizedGenerateReq]
     fan = Fanout(tm, singles)
     await (unless_disconnected(request.receive, fan.start()) if request else fan.start())
     return fan
+
+
+def sglang_output(item: GenerateOutput) -> dict[str, Any]:
+    """SGLang's output of /generate and the Engine: the text and ids so far, and meta_info."""
+    return {"text": item.text, "output_ids": item.output_ids, "meta_info": item.meta_info()}
+
+
+async def sglang_chunks(fan: Fanout, incremental: bool, many: bool
+                        ) -> AsyncIterator[dict[str, Any]]:
+    """A stream of SGLang outputs (HTTP's and the Engine's), each with `index` in a batch; with
+    `incremental`, each holds only what it adds. Closes the fan."""
+    sent: list[dict[str, int]] = [{} for _ in fan.singles]
+    try:
+        async for index, item in fan.items():
+            out = sglang_output(item)
+            if incremental:
+                out.update(text=item.text_delta, output_ids=item.new_token_ids,
+                           meta_info=meta_delta(out["meta_info"], sent[index]))
+            if many:
+                out["index"] = index
+            yield out
+    finally:
+        fan.close()
+
+
+def meta_delta(meta: dict[str, Any], sent: dict[str, int]) -> dict[str, Any]:
+    """Incremental streaming: each logprob list holds only what is new since the last event."""
+    for key, value in meta.items():
+        if key.endswith("_logprobs"):
+            meta[key], sent[key] = value[sent.get(key, 0):], len(value)
+    return meta

@@ -25,7 +25,12 @@ from lockstep import __version__
 from lockstep.core import SamplingParams
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
-from lockstep.entrypoints.fanout import run_to_completion, start_stream
+from lockstep.entrypoints.fanout import (
+    run_to_completion,
+    sglang_chunks,
+    sglang_output,
+    start_stream,
+)
 from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.entrypoints.metrics import CONTENT_TYPE, Metrics
 from lockstep.entrypoints.middleware import (
@@ -50,7 +55,7 @@ from lockstep.entrypoints.openai.tokenize import (
     detokenize,
     tokenize,
 )
-from lockstep.entrypoints.tokenizer_manager import GenerateOutput, TokenizerManager
+from lockstep.entrypoints.tokenizer_manager import TokenizerManager
 from lockstep.messages import TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
@@ -98,38 +103,15 @@ class NativeServing:
         many = obj.is_batch or len(singles) > 1
         if obj.stream:
             fan = await start_stream(self.tm, singles, request)
-            return SSEResponse(self._stream(fan, len(singles), many))
-        finals = await run_to_completion(self.tm, singles, request)
-        outs = [self._shape(item) for item in finals]
+            return SSEResponse(_sse(sglang_chunks(fan, self.incremental, many)))
+        outs = [sglang_output(item) for item in await run_to_completion(self.tm, singles, request)]
         return json_response(outs if many else outs[0])
 
-    @staticmethod
-    def _shape(item: GenerateOutput) -> dict[str, Any]:
-        return {"text": item.text, "output_ids": item.output_ids, "meta_info": item.meta_info()}
 
-    async def _stream(self, fan: Any, count: int, many: bool) -> AsyncIterator[bytes]:
-        sent: list[dict[str, int]] = [{} for _ in range(count)]
-        try:
-            async for index, item in fan.items():
-                if self.incremental:
-                    out = {"text": item.text_delta, "output_ids": item.new_token_ids,
-                           "meta_info": _meta_delta(item.meta_info(), sent[index])}
-                else:
-                    out = self._shape(item)
-                if many:
-                    out["index"] = index
-                yield sse(out)
-            yield SSE_DONE
-        finally:
-            fan.close()
-
-
-def _meta_delta(meta: dict[str, Any], sent: dict[str, int]) -> dict[str, Any]:
-    """Incremental streaming: each logprob list holds only what is new since the last event."""
-    for key, value in meta.items():
-        if key.endswith("_logprobs"):
-            meta[key], sent[key] = value[sent.get(key, 0):], len(value)
-    return meta
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        yield sse(chunk)
+    yield SSE_DONE
 
 
 def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAPI:
