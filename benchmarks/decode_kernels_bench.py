@@ -16,8 +16,7 @@ from functools import partial
 
 import torch
 
-from lockstep.kernels.build import selected
-from lockstep.kernels.decode import argmax, decode_attention
+from lockstep.kernels import argmax, decode_attention, kernel_variant
 
 H, HKV, D = 4, 1, 256
 SCALING = D**-0.5
@@ -88,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     evict = torch.ones(96 * 2**20) if args.cold else None
-    print(f"kernel variant: {selected()[0]}; {'cold' if args.cold else 'hot'} caches; 1 thread")
+    print(f"kernel variant: {kernel_variant()}; {'cold' if args.cold else 'hot'} caches; 1 thread")
     print("| | torch path | compiled | speed-up |\n|---|---|---|---|")
     for batch, length in [(1, 144), (1, 270), (32, 144), (32, 270), (1, 4096)]:
         print(attention_row(batch, length, evict))

@@ -17,7 +17,6 @@ from torch.profiler import profile, record_function
 from lockstep import kernels
 from lockstep.bench.datasets import load_tokenizer
 from lockstep.bench.one_batch import LockstepBench, make_prompts
-from lockstep.kernels import fused
 from lockstep.layers import attention, sampler
 from lockstep.model_loader import resolve_model
 from lockstep.testing.inproc import greedy_req
@@ -47,8 +46,9 @@ def main() -> None:
     batch = int(sys.argv[1])
     kernels.linear = _labelled(kernels.linear, "lockstep::linear")
     kernels.linear_parts = _labelled(kernels.linear_parts, "lockstep::linear")
+    kernels.linear_int8 = _labelled(kernels.linear_int8, "lockstep::linear")
     for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "act_and_mul"):
-        setattr(fused, name, _labelled(getattr(fused, name), "lockstep::fused"))
+        setattr(kernels, name, _labelled(getattr(kernels, name), "lockstep::fused"))
     kernels.embedding = _labelled(kernels.embedding, "lockstep::embedding")
     attention.decode_attention = _labelled(attention.decode_attention, "lockstep::decode_attention")
     sampler.argmax = _labelled(sampler.argmax, "lockstep::argmax")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lockstep.kernels import INT8_QTYPES, dequantize
+from lockstep.kernels import INT8_QTYPES, BlockType, dequantize
 from lockstep.kernels.build import VARIANTS, load_variant, missing_flags
 
 
@@ -59,16 +59,16 @@ def gguf_cases() -> list[tuple[str, torch.Tensor, str, int]]:
 
 def contestants(modules: dict, x: torch.Tensor, blocks: torch.Tensor, qtype: str, w32: torch.Tensor,
                 w16: torch.Tensor) -> dict[str, Callable[[], object]]:
-    k = x.shape[1]
+    k, code = x.shape[1], BlockType(qtype).code  # the compiled modules take GGML type ids
     xb = x.bfloat16()
     out: dict[str, Callable[[], object]] = {
-        v: (lambda mod=mod: mod.linear(x, blocks, qtype, k)) for v, mod in modules.items()
+        v: (lambda mod=mod: mod.linear(x, blocks, code, k)) for v, mod in modules.items()
     }
     if "avx512" in modules and not missing_flags("amx_bf16"):
-        out["amx bf16 (opt-in)"] = lambda: modules["avx512"].linear_amx_bf16(xb, blocks, qtype, k)
+        out["amx bf16 (opt-in)"] = lambda: modules["avx512"].linear_amx_bf16(xb, blocks, code, k)
     if qtype in INT8_QTYPES:
         for v, mod in int8_modules(modules).items():
-            out[f"{v} int8 (opt-in)"] = lambda mod=mod: mod.linear_int8(x, blocks, qtype, k)
+            out[f"{v} int8 (opt-in)"] = lambda mod=mod: mod.linear_int8(x, blocks, code, k)
     out["torch f32"] = lambda: F.linear(x, w32)
     out["torch bf16"] = lambda: F.linear(xb, w16)
     return out
@@ -88,7 +88,7 @@ def model_step(modules: dict, reps: int, batches: list[int]) -> None:
     weights = []
     for t in reader.tensors:
         if len(t.shape) == 2 and t.tensor_type.name != "F32":
-            weights.append((torch.from_numpy(np.array(t.data)), t.tensor_type.name, int(t.shape[0])))
+            weights.append((torch.from_numpy(np.array(t.data)), BlockType(t.tensor_type.name), int(t.shape[0])))
     floats = [dequantize(q, b, k) for b, q, k in weights]
     total = sum(b.numel() for b, _, _ in weights)
     print(f"decode step: {len(weights)} matmuls, {total / 1e6:.0f} MB of blocks, "
@@ -98,7 +98,7 @@ def model_step(modules: dict, reps: int, batches: list[int]) -> None:
 
         def kernel(mod=None, xs=xs):
             for b, q, k in weights:
-                mod.linear(xs[k], b, q, k)
+                mod.linear(xs[k], b, q.code, k)
 
         def torch_f32(xs=xs):
             for (_, _, k), w in zip(weights, floats):
@@ -106,11 +106,11 @@ def model_step(modules: dict, reps: int, batches: list[int]) -> None:
 
         def amx(mod=modules.get("avx512"), xs=xs):
             for b, q, k in weights:
-                mod.linear_amx_bf16(xs[k].bfloat16(), b, q, k)
+                mod.linear_amx_bf16(xs[k].bfloat16(), b, q.code, k)
 
         def int8(mod=None, xs=xs):
             for b, q, k in weights:
-                (mod.linear_int8 if q in INT8_QTYPES else mod.linear)(xs[k], b, q, k)
+                (mod.linear_int8 if q in INT8_QTYPES else mod.linear)(xs[k], b, q.code, k)
 
         funcs = {v: (lambda mod=mod: kernel(mod)) for v, mod in modules.items()}
         if "avx512" in modules and not missing_flags("amx_bf16"):

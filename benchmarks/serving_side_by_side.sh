@@ -5,14 +5,14 @@
 #       lockstep-bf16 | lockstep-noradix | lockstep-spec (--speculative-algorithm NGRAM) |
 #       llama-server | llama-server-SPEC (--spec-type SPEC: ngram-simple, ngram-mod, ngram-map-k,
 #       ngram-cache, as `llama-server --help` lists them) | llama-cpp-python
-# WORKLOAD: wbatch wsingle wprefix scale (default: all four)
+# WORKLOAD: wbatch wsingle wprefill wprefix scale (default: all five)
 #   also: wedit (issue 22's W-edit: repeat or lightly edit a passage; where speculation pays)
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
 # a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
 # Results: JSON lines appended to $OUT, tagged "KIND|WORKLOAD|ROUND"; server logs in $LOGDIR.
 set -u
 KIND=$1; ROUND=$2; shift 2
-WORKLOADS=${*:-wbatch wsingle wprefix scale}
+WORKLOADS=${*:-wbatch wsingle wprefill wprefix scale}
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-serving_side_by_side.jsonl}
@@ -58,6 +58,8 @@ for w in $WORKLOADS; do
               --random-output-len 128 --random-range-ratio 1 --max-concurrency 32 --seed 1 ;;
     wsingle) run W-single --dataset-name random --num-prompts 8 --random-input-len 128 \
               --random-output-len 128 --random-range-ratio 1 --max-concurrency 1 --seed 2 ;;
+    wprefill) run W-prefill --dataset-name random --num-prompts 4 --random-input-len 2048 \
+              --random-output-len 8 --random-range-ratio 1 --max-concurrency 1 --seed 4 ;;
     wprefix) run W-prefix --dataset-name generated-shared-prefix --gsp-num-groups 8 \
               --gsp-prompts-per-group 8 --gsp-system-prompt-len 1024 --gsp-question-len 64 \
               --gsp-output-len 32 --max-concurrency 16 --seed 3 ;;

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep.kernels import decode
-from lockstep.kernels.decode import argmax, decode_attention, decode_attention_reference
+from lockstep.kernels import argmax, decode_attention, ops
+from lockstep.kernels.dispatch import build_table
+from lockstep.kernels.reference import decode_attention as decode_attention_reference
 from lockstep.testing.kernels import compiled, variant_params
 
 # (query heads, KV heads, head dim): Gemma 3 270M's 4:1 at 256, 4:1 at 64, no grouping, 3:1 at 80 (not a
@@ -90,7 +91,7 @@ def test_public_api_falls_back_to_the_reference(monkeypatch) -> None:
     q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 24, [4, 9])  # 24: not a multiple of 16
     args = (q, k_buf, v_buf, slots, starts, lens_t, 0.1, None, 4)
     assert torch.equal(decode_attention(*args), decode_attention_reference(*args))
-    monkeypatch.setattr(decode, "selected", lambda: ("torch", None))
+    monkeypatch.setattr(ops, "table", lambda: build_table("torch", None))
     x = torch.randn(3, 1000)
     assert torch.equal(argmax(x), x.argmax(-1))
     q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 64, [4, 9])

@@ -1,4 +1,4 @@
-"""lockstep.kernels.fused: the compiled norms, rotary and gated activations of every variant this CPU
+"""lockstep.kernels' row-wise ops: the compiled norms, rotary and gated activations of every variant this CPU
 runs against float64 references, bitwise batch invariance, and the torch fallback."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lockstep.kernels import fused
+from lockstep import kernels as fused
+from lockstep.kernels import BlockType, ops
+from lockstep.kernels.dispatch import build_table
 from lockstep.testing.kernels import compiled, variant_params
 
 
@@ -145,7 +147,7 @@ def test_torch_fallback_matches_the_compiled_ops(monkeypatch) -> None:
                 fused.act_and_mul(gate_up, "gelu_tanh"), fused.act_and_mul(gate_up, "silu")]
 
     served = run()
-    monkeypatch.setattr(fused, "selected", lambda: ("torch", None))
+    monkeypatch.setattr(ops, "table", lambda: build_table("torch", None))
     for a, b in zip(served, run()):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
     with pytest.raises(ValueError, match="not one of"):
@@ -173,4 +175,4 @@ def test_linear_parts_of_mixed_types_equal_each_part_alone(variant: str) -> None
     # the public API serves the selected variant: the same numbers as part-by-part `linear`
     if kernel_variant() == variant:
         want = torch.cat([mod.linear(x[:2], b, q, k) for b, q in parts], 1)
-        assert torch.equal(linear_parts(x[:2], parts, k), want)
+        assert torch.equal(linear_parts(x[:2], [(b, BlockType(q)) for b, q in parts], k), want)

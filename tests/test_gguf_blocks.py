@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lockstep import kernels
 from lockstep.distributed.parallel_state import SINGLE, ParallelGroup
 from lockstep.entrypoints.engine import launch_subprocesses
-from lockstep.kernels import has_bf16_kernel, has_kernel, quantize
+from lockstep.kernels import compiled, quantize
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -46,7 +46,7 @@ def test_fused_qkv_with_parts_of_different_types_equals_the_float_reference():
     x = torch.randn(5, 64)
     ref = F.linear(x, torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]), bias)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
-    if has_kernel("Q5_0") and has_kernel("Q8_0"):  # q+k merged into one part, v its own
+    if compiled("linear"):  # q+k merged into one part, v its own
         assert [p.qtype for p in layer.parts] == ["Q5_0", "Q8_0"] and layer.weight is None
 
 
@@ -171,7 +171,7 @@ def default_prompts() -> list[list[int]]:
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(not has_kernel("Q8_0"), reason="batch invariance is the compiled kernels' "
+@pytest.mark.skipif(not compiled("linear"), reason="batch invariance is the compiled kernels' "
                     "promise; this machine serves on the torch reference")
 def test_default_path_is_bitwise_batch_invariant(default_prompts):
     """A request's output ids and logprobs alone are bitwise those it gets inside a batch of 32
@@ -190,7 +190,7 @@ def test_default_path_is_bitwise_batch_invariant(default_prompts):
         assert alone.logprobs == batch[f"r{i}"].logprobs, i  # exact, not approx
 
 
-@pytest.mark.skipif(not has_bf16_kernel("Q8_0"), reason="--dtype bfloat16 on blocks needs the "
+@pytest.mark.skipif(not compiled("linear_bf16"), reason="--dtype bfloat16 on blocks needs the "
                     "compiled AVX-512 kernels and the CPU flag amx_bf16, which this machine lacks")
 def test_bfloat16_serves_blocks_on_amx_batch_invariant_and_close_to_float32(tmp_path, monkeypatch):
     """--dtype bfloat16 on a GGUF: every block linear and the head run the AMX bf16 kernel on the

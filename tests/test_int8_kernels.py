@@ -136,7 +136,7 @@ def test_default_gguf_weights_head_and_a_layer(variant: str, default_gguf) -> No
 
 
 def test_public_api() -> None:
-    from lockstep.kernels import has_int8_kernel, kernel_variant, linear_int8
+    from lockstep.kernels import compiled, kernel_variant, linear_int8
     from lockstep.kernels.build import missing_flags
 
     blocks = random_blocks("Q5_0", 40, 256, seed=13)
@@ -144,7 +144,7 @@ def test_public_api() -> None:
     assert torch.equal(linear_int8(x, blocks, "Q5_0", 256), linear_int8_reference(x, blocks, "Q5_0", 256))
     variant = kernel_variant()
     expect = variant == "avx2" or (variant == "avx512" and not missing_flags("int8_vnni"))
-    assert has_int8_kernel("Q5_0") == expect and not has_int8_kernel("F16")
+    assert compiled("linear_int8") == expect
     with pytest.raises(ValueError, match="no int8 path for F16"):
         linear_int8(x, random_blocks("F16", 4, 256, seed=1), "F16", 256)
     with pytest.raises(ValueError, match=r"float32 x \[M, 256\]"):

@@ -171,11 +171,11 @@ def test_default_gguf_head_262k(variant: str, default_gguf) -> None:
 SELECT_PROBE = """
 import logging, torch
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-from lockstep.kernels import has_kernel, kernel_variant, linear, dequantize, quantize
+from lockstep.kernels import compiled, kernel_variant, linear, dequantize, quantize
 w = quantize("Q8_0", torch.randn(8, 64))
 x = torch.randn(2, 64)
 assert torch.allclose(linear(x, w, "Q8_0", 64), x @ dequantize("Q8_0", w, 64).T, atol=1e-5)
-print("RESULT", kernel_variant(), has_kernel("Q8_0"))
+print("RESULT", kernel_variant(), compiled("linear"))
 """
 
 
@@ -294,7 +294,7 @@ def test_amx_bf16_path_matches_its_reference_and_is_batch_invariant() -> None:
 
 
 def test_linear_bf16_api_serves_compiled_where_it_can() -> None:
-    from lockstep.kernels import has_bf16_kernel, kernel_variant, linear_bf16
+    from lockstep.kernels import compiled, kernel_variant, linear_bf16
     from lockstep.kernels.build import missing_flags
 
     blocks = random_blocks("Q8_0", 20, 256, seed=10)
@@ -303,7 +303,7 @@ def test_linear_bf16_api_serves_compiled_where_it_can() -> None:
     ref = (x.bfloat16().double() @ dequantize("Q8_0", blocks, 256).bfloat16().double().T).float()
     assert_close_to_reference(y, ref, 256)
     expect = kernel_variant() == "avx512" and not missing_flags("amx_bf16")
-    assert has_bf16_kernel("Q8_0") == expect
+    assert compiled("linear_bf16") == expect
 
 
 def test_public_api_on_rows_the_kernels_do_not_take() -> None:

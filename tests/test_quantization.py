@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lockstep.entrypoints.engine import launch_subprocesses
-from lockstep.kernels import dequantize, has_bf16_kernel, quantize
+from lockstep.kernels import compiled, dequantize, quantize
 from lockstep.layers import quantization
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import VocabParallelEmbedding
@@ -107,7 +107,7 @@ def test_bfloat16_with_quantization_needs_amx_bf16(monkeypatch):
     ServerArgs(quantization="q8_0", dtype="bfloat16")
 
 
-@pytest.mark.skipif(not has_bf16_kernel("Q8_0"), reason="the AMX bfloat16 kernels need the CPU "
+@pytest.mark.skipif(not compiled("linear_bf16"), reason="the AMX bfloat16 kernels need the CPU "
                     "flag amx_bf16 and the AVX-512 kernels, which this machine lacks")
 def test_bfloat16_keeps_packed_blocks_on_amx(tiny_model_dirs):
     model = make_scheduler(tiny_model_dirs["qwen2"], max_total_tokens=1024, quantization="q8_0",

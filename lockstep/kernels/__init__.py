@@ -1,35 +1,39 @@
-"""CPU kernels that compute on a GGUF's own quantized blocks (see docs and DESIGN.md section 8).
+"""CPU kernels that compute on a GGUF's own quantized blocks, and the row-wise ops of a decoder layer
+(see docs and DESIGN.md section 8).
 
-`linear` and `embedding` run compiled C++ (an AVX2 and an AVX-512 variant, picked once at run time) when
-the machine has them and fall back to the plain-torch reference in `blocks` otherwise.
+Every op runs the compiled C++ of the variant this process loaded (AVX2 or AVX-512, picked once at run
+time) where the operands fit it, else its plain-torch reference (reference.py); dispatch.py is the one
+table that says which.
 """
 
-from lockstep.kernels.blocks import GGML_BLOCKS, INT8_QTYPES, dequantize, quantize, row_bytes
-from lockstep.kernels.ops import (
-    embedding,
-    has_bf16_kernel,
-    has_int8_kernel,
-    has_kernel,
-    kernel_variant,
-    linear,
-    linear_bf16,
-    linear_int8,
-    linear_parts,
+from lockstep.kernels.blocks import (
+                                  GGML_BLOCKS,
+                                  INT8_QTYPES,
+                                  BlockType,
+                                  block_type,
+                                  dequantize,
+                                  quantize,
+                                  row_bytes,
 )
+from lockstep.kernels.ops import (
+                                  act_and_mul,
+                                  add_rms_norm,
+                                  argmax,
+                                  compiled,
+                                  decode_attention,
+                                  embedding,
+                                  kernel_variant,
+                                  linear,
+                                  linear_bf16,
+                                  linear_int8,
+                                  linear_parts,
+                                  qk_norm_rope,
+                                  rms_norm,
+                                  rotate,
+)
+from lockstep.kernels.reference import COMPILED_ACTS
 
-__all__ = [
-    "GGML_BLOCKS",
-    "INT8_QTYPES",
-    "dequantize",
-    "embedding",
-    "has_bf16_kernel",
-    "has_int8_kernel",
-    "has_kernel",
-    "kernel_variant",
-    "linear",
-    "linear_bf16",
-    "linear_int8",
-    "linear_parts",
-    "quantize",
-    "row_bytes",
-]
+__all__ = ["COMPILED_ACTS", "GGML_BLOCKS", "INT8_QTYPES", "BlockType", "act_and_mul", "add_rms_norm", "argmax",
+           "block_type", "compiled", "decode_attention", "dequantize", "embedding", "kernel_variant", "linear",
+           "linear_bf16", "linear_int8", "linear_parts", "qk_norm_rope", "quantize", "rms_norm", "rotate",
+           "row_bytes"]

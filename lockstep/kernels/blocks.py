@@ -7,31 +7,50 @@ float32 values are bitwise the ones gguf.quants gives (and the ones the compiled
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
 
+
+class BlockType(StrEnum):
+    """A GGML block type the kernels read. Its value is GGML's name (so it compares equal to the
+    string), `code` GGML's type id: what the compiled kernels switch on (csrc/blocks.h), so a call
+    passes an int, not a name to compare."""
+
+    F32 = ("F32", 0, 1, 4)
+    F16 = ("F16", 1, 1, 2)
+    BF16 = ("BF16", 30, 1, 2)
+    Q4_0 = ("Q4_0", 2, 32, 18)
+    Q5_0 = ("Q5_0", 6, 32, 22)
+    Q8_0 = ("Q8_0", 8, 32, 34)
+    Q4_K = ("Q4_K", 12, 256, 144)
+    Q6_K = ("Q6_K", 14, 256, 210)
+
+    def __new__(cls, name: str, code: int, per_block: int, nbytes: int) -> BlockType:
+        member = str.__new__(cls, name)
+        member._value_ = name
+        member.code, member.per_block, member.nbytes = code, per_block, nbytes
+        return member
+
+
 # qtype -> (elements per block, bytes per block)
-GGML_BLOCKS: dict[str, tuple[int, int]] = {
-    "F32": (1, 4),
-    "F16": (1, 2),
-    "BF16": (1, 2),
-    "Q4_0": (32, 18),
-    "Q5_0": (32, 22),
-    "Q8_0": (32, 34),
-    "Q4_K": (256, 144),
-    "Q6_K": (256, 210),
-}
+GGML_BLOCKS: dict[str, tuple[int, int]] = {t.value: (t.per_block, t.nbytes) for t in BlockType}
 
 
-def _block_shape(qtype: str) -> tuple[int, int]:
+def block_type(qtype: str) -> BlockType:
+    """The BlockType of a GGML type name (a BlockType is returned as it is)."""
+    if type(qtype) is BlockType:
+        return qtype
     try:
-        return GGML_BLOCKS[qtype]
-    except KeyError:
+        return BlockType(qtype)
+    except ValueError:
         raise ValueError(f"unsupported GGML block type {qtype!r}; known: {sorted(GGML_BLOCKS)}") from None
 
 
 def row_bytes(qtype: str, n_cols: int) -> int:
     """Bytes of one row of `n_cols` elements; ValueError unless `n_cols` is whole blocks."""
-    per_block, nbytes = _block_shape(qtype)
+    kind = block_type(qtype)
+    per_block, nbytes = kind.per_block, kind.nbytes
     if n_cols <= 0 or n_cols % per_block:
         raise ValueError(f"{qtype} rows must be a positive multiple of {per_block} elements, got {n_cols}")
     return n_cols // per_block * nbytes

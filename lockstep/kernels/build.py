@@ -1,4 +1,5 @@
-"""Building and loading the compiled kernels: one C++ source, an AVX2 and an AVX-512 variant.
+"""Building and loading the compiled kernels: the C++ sources in csrc/ (one per op, register.cpp binds
+them), built as an AVX2 and an AVX-512 variant.
 
 Each variant compiles on first use with torch.utils.cpp_extension into
 `<cache>/kernels/<hash of source, flags, torch version and variant>/` (cache: lockstep.utils.cache),
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 ISA_ENV = "LOCKSTEP_KERNEL_ISA"
 VARIANTS = ("avx512", "avx2")
-SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"  # includes the other files in csrc/
+CSRC = Path(__file__).parent / "csrc"
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-mfma", "-mf16c"]
 _FLAGS = {
     "avx2": ["-mavx2"],
@@ -76,7 +77,7 @@ def missing_flags(variant: str) -> list[str]:
 
 def _build_dir(variant: str) -> tuple[str, Path]:
     key = hashlib.sha256()
-    sources = sorted(f for f in SOURCE.parent.iterdir() if f.suffix in (".cpp", ".h"))
+    sources = sorted(f for f in CSRC.iterdir() if f.suffix in (".cpp", ".h"))
     for part in (*(f.read_bytes() for f in sources), torch.__version__.encode(), variant.encode(),
                  " ".join(_COMMON_FLAGS + _FLAGS[variant]).encode(), sys.version.encode()):
         key.update(part)
@@ -137,7 +138,7 @@ def _compile(variant: str, name: str, build_dir: Path) -> ModuleType:
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(f) for f in sorted(CSRC.glob("*.cpp"))],
             extra_cflags=_COMMON_FLAGS + _FLAGS[variant],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -1,4 +1,5 @@
-"""The kernels' public entry points: the compiled variant when there is one, the torch reference otherwise."""
+"""The kernels' public entry points: each validates its operands and runs through the dispatch table
+(the compiled version where this process has one and the operands fit, else the torch reference)."""
 
 from __future__ import annotations
 
@@ -6,38 +7,32 @@ from collections.abc import Sequence
 
 import torch
 
-from lockstep.kernels.blocks import (
-    GGML_BLOCKS,
-    INT8_QTYPES,
-    check_blocks,
-    dequantize,
-    linear_int8_reference,
-)
-from lockstep.kernels.build import missing_flags, selected
-
-# the compiled kernels work in groups of 32 input elements; float rows of other lengths use the reference
-_GROUP = 32
+from lockstep.kernels import reference
+from lockstep.kernels.blocks import INT8_QTYPES, BlockType, block_type, check_blocks
+from lockstep.kernels.dispatch import table
 
 
 def kernel_variant() -> str:
     """"avx512" | "avx2" | "torch": the variant this process serves with (selected once, see build.py)."""
-    return selected()[0]
+    return table().variant
 
 
-def has_kernel(qtype: str) -> bool:
-    """True when a compiled kernel serves `qtype` on this machine now."""
-    return qtype in GGML_BLOCKS and selected()[1] is not None
-
-
-def _compiled_serves(x: torch.Tensor, blocks: torch.Tensor, n_cols: int) -> bool:
-    """The compiled kernels take CPU tensors, rows of whole 32-element groups, bytes contiguous in a row."""
-    return (selected()[1] is not None and n_cols % _GROUP == 0 and blocks.stride(1) == 1
-            and x.device.type == "cpu" and blocks.device.type == "cpu")
+def compiled(op: str) -> bool:
+    """True when `op` (a dispatch.Table field: "linear", "linear_int8", "linear_bf16", ...) runs compiled
+    in this process for operands that fit it."""
+    return table().compiled(op)
 
 
 def _check_x(x: torch.Tensor, n_cols: int) -> None:
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != n_cols:
         raise ValueError(f"linear takes float32 x [M, {n_cols}], got {x.dtype} {list(x.shape)}")
+
+
+def _checked(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> BlockType:
+    kind = block_type(qtype)
+    check_blocks(kind, blocks, n_cols)
+    _check_x(x, n_cols)
+    return kind
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
@@ -46,41 +41,24 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> to
     On the compiled path each output element is summed in an order that depends on nothing but that
     element, so a row of y is bitwise the same whatever M and the other rows of x are.
     """
-    check_blocks(qtype, blocks, n_cols)
-    _check_x(x, n_cols)
-    if _compiled_serves(x, blocks, n_cols):
-        return selected()[1].linear(x.contiguous(), blocks, qtype, n_cols)
-    return x @ dequantize(qtype, blocks, n_cols).T
+    return table().linear(x, blocks, _checked(x, blocks, qtype, n_cols), n_cols)
 
 
-def linear_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, str]], n_cols: int) -> torch.Tensor:
-    """x [M, K] @ [W_0; W_1; ...].T -> [M, sum N_i], W_i = dequantize(qtype_i, blocks_i, K): the
+def linear_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, BlockType]], n_cols: int) -> torch.Tensor:
+    """x [M, K] @ [W_0; W_1; ...].T -> [M, sum N_i], W_i = dequantize(kind_i, blocks_i, K): the
     parts of a fused layer, each of its own block type, in one call (compiled: one parallel region
-    over every part at small M). Each output element as `linear` computes it. The parts are
-    checked here once per call, cheaply: callers validate blocks at load."""
+    over every part at small M). Each output element as `linear` computes it. The parts' blocks
+    are not checked here: callers validate them at load."""
     _check_x(x, n_cols)
-    if selected()[1] is not None and n_cols % _GROUP == 0 and x.device.type == "cpu" and all(
-            b.stride(1) == 1 and b.device.type == "cpu" for b, _ in parts):
-        return selected()[1].linear_parts(x.contiguous(), [b for b, _ in parts],
-                                          [q for _, q in parts], n_cols)
-    outs = [linear(x, b, q, n_cols) for b, q in parts]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return table().linear_parts(x, parts, n_cols)
 
 
 def embedding(ids: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
     """Rows `ids` of the blocks, dequantized: float32 [*ids.shape, n_cols] (ids must be in range)."""
-    check_blocks(qtype, blocks, n_cols)
+    kind = block_type(qtype)
+    check_blocks(kind, blocks, n_cols)
     flat = ids.reshape(-1).to(torch.int64)
-    if _compiled_serves(flat, blocks, n_cols):
-        out = selected()[1].embedding(flat.contiguous(), blocks, qtype, n_cols)
-    else:
-        out = dequantize(qtype, blocks[flat], n_cols)
-    return out.reshape(*ids.shape, n_cols)
-
-
-def has_bf16_kernel(qtype: str) -> bool:
-    """True when `linear_bf16` runs compiled (AMX tiles) for `qtype` on this machine now."""
-    return has_kernel(qtype) and kernel_variant() == "avx512" and not missing_flags("amx_bf16")
+    return table().embedding(flat, blocks, kind, n_cols).reshape(*ids.shape, n_cols)
 
 
 def linear_bf16(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
@@ -89,38 +67,81 @@ def linear_bf16(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) 
     Both operands are rounded to bfloat16 (the weights after exact dequantization), products are
     summed in float32. Compiled (AMX) it is still batch invariant, as `linear` is, and several times
     faster than `linear` at batch 32; the numbers differ from `linear`'s by bfloat16 rounding, so
-    callers offer it behind a flag. The fallback is a float32 matmul of the bf16-rounded operands (not batch invariant).
+    callers offer it behind a flag. The fallback is torch's bfloat16 matmul (not batch invariant).
     """
-    check_blocks(qtype, blocks, n_cols)
-    _check_x(x, n_cols)
-    xb = x.to(torch.bfloat16).contiguous()
-    if has_bf16_kernel(qtype) and _compiled_serves(x, blocks, n_cols):
-        return selected()[1].linear_amx_bf16(xb, blocks, qtype, n_cols)
-    # float32 sums of the bf16-rounded operands: a bf16 matmul would round its output to bfloat16
-    # too (an error of 0.09 at K=256, which failed the reference on every CPU without AMX).
-    return xb.float() @ dequantize(qtype, blocks, n_cols).to(torch.bfloat16).float().T
-
-
-def has_int8_kernel(qtype: str) -> bool:
-    """True when `linear_int8` runs compiled for `qtype` on this machine now (the AVX-512 variant needs VNNI)."""
-    return (qtype in INT8_QTYPES and has_kernel(qtype)
-            and (kernel_variant() != "avx512" or not missing_flags("int8_vnni")))
+    return table().linear_bf16(x, blocks, _checked(x, blocks, qtype, n_cols), n_cols)
 
 
 def linear_int8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
-    """Opt-in batched path, llama.cpp's arithmetic: each row of float32 x [M, K] quantized per block of
-    32 to int8 with a float32 scale, integer dot products against the weight blocks' quants, scaled
-    and summed in float32 per output element in block order -> float32 [M, N].
+    """llama.cpp's arithmetic: each row of float32 x [M, K] quantized per block of 32 to int8 with a
+    float32 scale, integer dot products against the weight blocks' quants, scaled and summed in
+    float32 per output element in block order -> float32 [M, N].
 
     Batch invariant like `linear` (a row's output depends on that row and W only) and bitwise the
     same on every variant and the torch reference (`blocks.linear_int8_reference`); the numbers
-    differ from `linear`'s by the activation rounding, so callers offer it behind a flag.
+    differ from `linear`'s by the activation rounding.
     Block types in INT8_QTYPES only (float weights have nothing to gain: use `linear`).
     """
-    check_blocks(qtype, blocks, n_cols)
-    _check_x(x, n_cols)
-    if qtype not in INT8_QTYPES:
+    kind = _checked(x, blocks, qtype, n_cols)
+    if kind not in INT8_QTYPES:
         raise ValueError(f"no int8 path for {qtype}; it serves {list(INT8_QTYPES)}")
-    if has_int8_kernel(qtype) and _compiled_serves(x, blocks, n_cols):
-        return selected()[1].linear_int8(x.contiguous(), blocks, qtype, n_cols)
-    return linear_int8_reference(x, blocks, qtype, n_cols)
+    return table().linear_int8(x, blocks, kind, n_cols)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
+                     starts: torch.Tensor, lens: torch.Tensor, scaling: float, softcap: float | None,
+                     window: int | None) -> torch.Tensor:
+    """One query per request: q [R, H, D] against K/V buffers [S, Hkv, D]; request r sees the pool rows
+    kv_slots[starts[r] : starts[r] + lens[r]] (the last `window` of them if windowed) -> [R, H * D].
+
+    Compiled, each request's output is summed in an order fixed by its own keys alone, so it is bitwise
+    the same whatever it is batched with."""
+    return table().decode_attention(q, k_buf, v_buf, kv_slots, starts, lens, scaling, softcap, window)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum of each row of x [B, V] (a NaN counts as the maximum), int64 [B]."""
+    return table().argmax(x)
+
+
+# ---------------------------------------------------------------- row-wise float32 ops of a layer
+# Each takes float32 rows; a row's result depends on that row alone (in the same order at any batch),
+# so a request's numbers do not depend on what it is batched with. Callers with other dtypes keep
+# their own torch code (the model's dtype decides where the casts go).
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rmsnorm(x) * weight over the last dim of float32 x [T, D] (weight: the effective float32
+    scale, e.g. Gemma's 1 + w)."""
+    return table().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, x: torch.Tensor, wx: torch.Tensor | None, wy: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual step of float32 rows [T, D]: h2 = h + (rmsnorm(x) * wx if wx given, else x), then
+    (h2, rmsnorm(h2) * wy), the second None without wy. h is not modified."""
+    return table().add_rms_norm(h, x, wx, wy, eps)
+
+
+def qk_norm_rope(qkv: torch.Tensor, n_q: int, n_kv: int, head_dim: int, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views q [T, n_q, D], k, v [T, n_kv, D] of float32 qkv [T, (n_q + 2 n_kv) D], with q and k
+    RMS-normed per head (when weights are given) and rotated by cos/sin [T, D] (rotate-half form),
+    in place in qkv."""
+    t, d = qkv.shape[0], head_dim
+    table().qk_norm_rope(qkv, n_q, n_kv, d, q_weight, k_weight, cos, sin, eps)
+    q = qkv[:, :n_q * d].view(t, n_q, d)
+    k = qkv[:, n_q * d:(n_q + n_kv) * d].view(t, n_kv, d)
+    v = qkv[:, (n_q + n_kv) * d:(n_q + 2 * n_kv) * d].view(t, n_kv, d)
+    return q, k, v
+
+
+rotate = reference.rotate
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for float32 gate_up [T, 2I] (gate: the first I columns), act one of
+    COMPILED_ACTS ("gelu_tanh": the tanh approximation of GELU)."""
+    if act not in reference.COMPILED_ACTS:
+        raise ValueError(f"act_and_mul: {act!r} is not one of {reference.COMPILED_ACTS}")
+    return table().act_and_mul(gate_up, act)

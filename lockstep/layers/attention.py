@@ -1,7 +1,7 @@
 """Attention over the paged KV pool.
 
 Every layer writes its new K/V into the pool first. On a CPU every query row then runs alone in
-the decode kernel (lockstep.kernels.decode), which reads its keys in place by slot and sums in an
+the decode kernel (lockstep.kernels.decode_attention), which reads its keys in place by slot and sums in an
 order fixed by that row's own keys: so its numbers are bitwise the same whatever it is batched with
 and however many rows its request extends by (a prefix-cache hit, a chunk, a speculative verify
 pass give the bits of a plain prefill or decode). On a GPU one masked SDPA runs over the padded
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.core import AttentionMetadata, ForwardBatch
-from lockstep.kernels.decode import decode_attention
+from lockstep.kernels import decode_attention
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 
 

@@ -19,11 +19,17 @@ from lockstep import kernels
 @dataclass(frozen=True)
 class BlockWeight:
     blocks: torch.Tensor  # uint8 [rows, row_bytes]
-    qtype: str  # a GGML type name: "Q8_0", "Q4_K", "F32", ...
+    qtype: str  # a GGML type name: "Q8_0", "Q4_K", "F32", ... (a kernels.BlockType where they read it)
     n_cols: int  # input features
     name: str = ""  # the checkpoint tensor, for error messages
     # multiplied with activations quantized to int8 (--int8-activations); set by `settle`
     int8_activations: bool = False
+
+    def __post_init__(self) -> None:
+        # the kernels' BlockType for a type they read (resolved once here, not per call); other GGML
+        # types (Q2_K, the IQ types) keep their name until the loader dequantizes them
+        if self.qtype in kernels.GGML_BLOCKS:
+            object.__setattr__(self, "qtype", kernels.block_type(self.qtype))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,11 +80,11 @@ def uses_kernel(weight: BlockWeight, dtype: torch.dtype, device: torch.device) -
     """Whether a layer of this dtype on this device multiplies by the blocks themselves: float32
     layers on the exact kernels, bfloat16 layers on the AMX bfloat16 kernels where this CPU runs
     them; anything else runs on dequantized floats (torch's bfloat16 matmul, as before)."""
-    if device.type != "cpu":
+    if device.type != "cpu" or weight.qtype not in kernels.GGML_BLOCKS:
         return False
     if dtype == torch.float32:
-        return kernels.has_kernel(weight.qtype)
-    return dtype == torch.bfloat16 and kernels.has_bf16_kernel(weight.qtype)
+        return kernels.compiled("linear")
+    return dtype == torch.bfloat16 and kernels.compiled("linear_bf16")
 
 
 def block_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.kernels import fused
+from lockstep import kernels
 from lockstep.layers.linear import _copy, _param
 
 
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return fused.rms_norm(x, self.scale, self.eps)
+            return kernels.rms_norm(x, self.scale, self.eps)
         # torch's own RMSNorm: bitwise the same as the float32 formula written out, in one call.
         shape = (x.shape[-1],)
         if self.gemma:
@@ -48,7 +48,7 @@ def add_norm(h: torch.Tensor, x: torch.Tensor, x_norm: RMSNorm | None,
     model's, with one eps."""
     if h.dtype == torch.float32 and x.dtype == torch.float32:
         eps = x_norm.eps if x_norm is not None else out_norm.eps if out_norm is not None else 0.0
-        return fused.add_rms_norm(h, x, None if x_norm is None else x_norm.scale,
+        return kernels.add_rms_norm(h, x, None if x_norm is None else x_norm.scale,
                                   None if out_norm is None else out_norm.scale, eps)
     h2 = h + (x if x_norm is None else x_norm(x))
     return h2, (None if out_norm is None else out_norm(h2))

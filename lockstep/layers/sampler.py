@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lockstep.kernels.decode import argmax
+from lockstep.kernels import argmax
 
 _MASK32 = 0xFFFFFFFF
 

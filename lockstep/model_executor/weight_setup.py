@@ -61,10 +61,9 @@ def _log_int8(model: nn.Module) -> None:
         for part in (getattr(m, "parts", None) or []) + (getattr(m, "logits_parts", None) or []):
             if isinstance(part, BlockWeight) and part.int8_activations:
                 types[part.qtype] += 1
-    compiled = all(kernels.has_int8_kernel(t) for t in types)
     logger.info("--int8-activations: %s on int8 activations (%s)",
                 ", ".join(f"{t} ({n} matmuls)" for t, n in sorted(types.items())) or "no weight",
-                f"{kernels.kernel_variant()} kernels" if compiled
+                f"{kernels.kernel_variant()} kernels" if kernels.compiled("linear_int8")
                 else "no compiled int8 kernel here: the torch reference serves, slowly")
 
 

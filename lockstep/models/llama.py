@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from lockstep import kernels
 from lockstep.configs.model_config import ModelConfig
 from lockstep.core import ForwardBatch
 from lockstep.distributed.parallel_state import (
@@ -15,7 +16,6 @@ from lockstep.distributed.parallel_state import (
     PipelineGroup,
     partition_layers,
 )
-from lockstep.kernels import fused
 from lockstep.layers.activation import act_and_mul
 from lockstep.layers.attention import PagedAttention
 from lockstep.layers.block_weight import BlockWeight
@@ -73,14 +73,14 @@ class Attention(nn.Module):
             q_w = self.q_norm.scale if self.qk_norm else None
             k_w = self.k_norm.scale if self.qk_norm else None
             eps = self.q_norm.eps if self.qk_norm else 0.0
-            q, k, v = fused.qk_norm_rope(qkv, self.n_heads, self.n_kv, d, q_w, k_w, cos, sin, eps)
+            q, k, v = kernels.qk_norm_rope(qkv, self.n_heads, self.n_kv, d, q_w, k_w, cos, sin, eps)
         else:
             q, k, v = self.qkv_proj.split(qkv)
             t = x.shape[0]
             q, k, v = q.view(t, self.n_heads, d), k.view(t, self.n_kv, d), v.view(t, self.n_kv, d)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = fused.rotate(q, cos, sin), fused.rotate(k, cos, sin)
+            q, k = kernels.rotate(q, cos, sin), kernels.rotate(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, fb, pool))
 
 

@@ -13,7 +13,7 @@ import gguf
 import pytest
 import torch
 
-from lockstep.kernels import GGML_BLOCKS, row_bytes
+from lockstep.kernels import GGML_BLOCKS, BlockType, row_bytes
 
 # where each block type keeps its float16 scales: (offset, count) of 2-byte fields
 HALF_FIELDS = {"Q4_0": (0, 1), "Q5_0": (0, 1), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q6_K": (208, 1)}
@@ -54,12 +54,37 @@ def variant_params() -> list[Any]:
     return out
 
 
+class Compiled:
+    """A variant's compiled extension with block types given by name (the extension takes GGML ids)."""
+
+    def __init__(self, mod: ModuleType) -> None:
+        self.mod = mod
+
+    def __getattr__(self, op: str) -> Any:
+        return getattr(self.mod, op)
+
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+        return self.mod.linear(x, blocks, BlockType(qtype).code, k)
+
+    def linear_int8(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+        return self.mod.linear_int8(x, blocks, BlockType(qtype).code, k)
+
+    def embedding(self, ids: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+        return self.mod.embedding(ids, blocks, BlockType(qtype).code, k)
+
+    def linear_amx_bf16(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+        return self.mod.linear_amx_bf16(x, blocks, BlockType(qtype).code, k)
+
+    def linear_parts(self, x: torch.Tensor, blocks: list[torch.Tensor], qtypes: list[str], k: int) -> torch.Tensor:
+        return self.mod.linear_parts(x, blocks, [BlockType(q).code for q in qtypes], k)
+
+
 @functools.cache
-def compiled(variant: str) -> ModuleType:
+def compiled(variant: str) -> Compiled:
     """The compiled extension of one variant (built on first use, then cached)."""
     from lockstep.kernels.build import load_variant
 
-    return load_variant(variant)
+    return Compiled(load_variant(variant))
 
 
 def assert_batch_invariant(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,12 @@
-// Included by kernels.cpp inside its anonymous namespace.
-#pragma once
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
+#include <vector>
+
+#include "blocks.h"
+#include "ops.h"
+
+namespace lockstep {
 // ---------------------------------------------------------------- row argmax (greedy sampling)
 // ids[r] = index of the first maximum of row r, as torch's max(dim) and argmax give it: a NaN counts
 // as the maximum (the first NaN wins). Exact whatever the split, so rows are cut into segments that
@@ -74,3 +80,5 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   }
   return ids;
 }
+
+}  // namespace lockstep

@@ -1,6 +1,12 @@
-// Included by kernels.cpp inside its anonymous namespace (uses V, vfma, reduce32 and UNROLL).
-#pragma once
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
+#include <vector>
+
+#include "blocks.h"
+#include "ops.h"
+
+namespace lockstep {
 // ---------------------------------------------------------------- decode attention over the KV pool
 // One query per request against that request's keys, read in place from the pool by slot (no gather
 // copy). Work item = (request, KV head, chunk of kChunk keys): the query heads sharing the KV head are
@@ -212,3 +218,5 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   }
   return out;
 }
+
+}  // namespace lockstep

@@ -1,6 +1,15 @@
-// Included by kernels.cpp inside its anonymous namespace, AVX-512 build only (needs its decoders,
-// dequant_row, dispatch and check_blocks).
-#pragma once
+#ifdef LOCKSTEP_AVX512  // the AVX-512 build only
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <vector>
+
+#include "blocks.h"
+#include "ops.h"
+
+namespace lockstep {
+#include <sys/syscall.h>
+#include <unistd.h>
 
 // ---------------------------------------------------------------- opt-in AMX bfloat16 path
 // y = bf16(x) . bf16(W)^T with float32 accumulation on AMX tiles. Numerics differ from the exact path
@@ -107,7 +116,7 @@ void amx_gemm(const uint8_t* w, int64_t rb, const uint32_t* xp, int64_t mp, floa
   });
 }
 
-at::Tensor linear_amx_bf16(const at::Tensor& xb, const at::Tensor& blocks, const std::string& qtype, int64_t k) {
+at::Tensor linear_amx_bf16(const at::Tensor& xb, const at::Tensor& blocks, int64_t type, int64_t k) {
   check_blocks(blocks, k);
   TORCH_CHECK(xb.scalar_type() == at::kBFloat16 && xb.dim() == 2 && xb.is_contiguous() && xb.size(1) == k,
               "x must be contiguous bfloat16 [M, ", k, "]");
@@ -124,10 +133,13 @@ at::Tensor linear_amx_bf16(const at::Tensor& xb, const at::Tensor& blocks, const
     for (int64_t kk = 0; kk < k / 2; ++kk)
       for (int64_t r = r0; r < r1; ++r) xp[kk * mp + r] = xw[r * (k / 2) + kk];
   }
-  dispatch(qtype, [&](auto tag) {
+  dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     amx_gemm<T>(blocks.data_ptr<uint8_t>(), blocks.stride(0), xp.data(), mp, y.data_ptr<float>(), m, n, k,
                 k / 32);
   });
   return y;
 }
+
+}  // namespace lockstep
+#endif

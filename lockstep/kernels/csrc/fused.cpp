@@ -7,64 +7,15 @@
 // linear kernels' lane order (element k to lane k % 32, fixed tree), then the elements past the last
 // whole 32 in increasing k.
 
-// ---------------------------------------------------------------- vector helpers not in V
-#ifdef LOCKSTEP_AVX512
-inline V vdiv(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
-inline V vmin(V a, V b) { return {_mm512_min_ps(a.v, b.v)}; }
-inline V vmax(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
-// round to nearest even, then 2^n for integral n in [-126, 127]
-inline V vround(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
-inline V vpow2i(V n) {
-  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
-}
-#else
-inline V vdiv(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
-inline V vmin(V a, V b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
-inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-inline V vround(V a) {
-  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  return {_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode)};
-}
-inline __m256 pow2i8(__m256 n) {
-  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-}
-inline V vpow2i(V n) { return {pow2i8(n.lo), pow2i8(n.hi)}; }
-#endif
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
-// exp(a) within 2 ulp for a in [-87, 88] (Cephes' expf: n = round(a / ln 2), a polynomial on the
-// remainder, times 2^n); clamped outside, which only matters where the activations saturate anyway.
-inline V vexp(V a) {
-  a = vmin(vmax(a, vset1(-87.0f)), vset1(88.0f));
-  const V n = vround(vmul(a, vset1(1.44269504088896341f)));
-  V r = vsub(a, vmul(n, vset1(0.693359375f)));
-  r = vsub(r, vmul(n, vset1(-2.12194440e-4f)));
-  V p = vset1(1.9875691500e-4f);
-  p = vfma(p, r, vset1(1.3981999507e-3f));
-  p = vfma(p, r, vset1(8.3334519073e-3f));
-  p = vfma(p, r, vset1(4.1665795894e-2f));
-  p = vfma(p, r, vset1(1.6666665459e-1f));
-  p = vfma(p, r, vset1(5.0000001201e-1f));
-  p = vadd(vfma(p, vmul(r, r), r), vset1(1.0f));
-  return vmul(p, vpow2i(n));
-}
+#include <vector>
 
-inline float exp_scalar(float a) {  // the same steps on one element (row tails)
-  a = std::min(std::max(a, -87.0f), 88.0f);
-  const float n = std::nearbyint(a * 1.44269504088896341f);
-  float r = a - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = std::fma(p, r, c);
-  p = std::fma(p, r * r, r) + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+#include "blocks.h"
+#include "ops.h"
 
+namespace lockstep {
 // ---------------------------------------------------------------- RMSNorm
 // 1 / sqrt(mean(x^2) + eps) over d elements
 inline float inv_rms(const float* x, int64_t d, float eps) {
@@ -266,3 +217,5 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, const std::string& act) {
     run(std::false_type{});
   return out;
 }
+
+}  // namespace lockstep

@@ -1,0 +1,374 @@
+// The GGML block formats as the kernels read them, in place from the GGUF's bytes: a float decoder per
+// type (32 elements at a time into two V, with the same float32 operations, in the same order, as
+// gguf.quants and lockstep/kernels/blocks.py) and an integer one (I8<T>: the quants and scales the int8
+// path multiplies), and the one switch from a block type's id to its decoder.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "vec.h"
+
+namespace lockstep {
+
+// GGML's own type ids (ggml.h, the GGUF tensor_type field): the Python side passes these
+enum class BlockType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30 };
+
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead a streamed weight row is fetched
+
+// ---------------------------------------------------------------- block decoders
+// Each decodes the b-th group of 32 elements of a row into w0 (elements 0-15) and w1 (16-31).
+// K-quants keep per-super-block scales: prepare() computes them once per 256 elements (kPer groups)
+// into Scales, which load32 then reads; the simple types have nothing to prepare.
+struct NoScales {};
+struct Simple {
+  static constexpr int kPer = 1;
+  using Scales = NoScales;
+  static void prepare(const uint8_t*, int64_t, Scales&) {}
+};
+
+// 32 signed bytes -> 32 floats
+inline void from_i8x32(__m256i q, V& w0, V& w1) {
+  w0 = from_i8(_mm256_castsi256_si128(q));
+  w1 = from_i8(_mm256_extracti128_si256(q, 1));
+}
+struct F32 : Simple {
+  static constexpr int kBytes = 128;  // per 32 elements
+  static void load32(const uint8_t* row, int64_t b, const Scales&, V& w0, V& w1) {
+    const float* p = reinterpret_cast<const float*>(row) + 32 * b;
+    w0 = vload(p);
+    w1 = vload(p + 16);
+  }
+};
+struct F16 : Simple {
+  static constexpr int kBytes = 64;
+  static void load32(const uint8_t* row, int64_t b, const Scales&, V& w0, V& w1) {
+    w0 = from_f16(row + 64 * b);
+    w1 = from_f16(row + 64 * b + 32);
+  }
+};
+struct BF16 : Simple {
+  static constexpr int kBytes = 64;
+  static void load32(const uint8_t* row, int64_t b, const Scales&, V& w0, V& w1) {
+    w0 = from_bf16(row + 64 * b);
+    w1 = from_bf16(row + 64 * b + 32);
+  }
+};
+struct Q8_0 : Simple {  // half d, int8 q[32]: w = q * d
+  static constexpr int kBytes = 34;
+  static void load32(const uint8_t* row, int64_t b, const Scales&, V& w0, V& w1) {
+    const uint8_t* p = row + 34 * b;
+    V d = vset1(half_at(p));
+    w0 = vmul(from_i8(load16(p + 2)), d);
+    w1 = vmul(from_i8(load16(p + 18)), d);
+  }
+};
+struct Q4_0 : Simple {  // half d, 16 bytes: low nibbles are elements 0-15, high 16-31; w = d * (q - 8)
+  static constexpr int kBytes = 18;
+  static void load32(const uint8_t* row, int64_t b, const Scales&, V& w0, V& w1) {
+    const uint8_t* p = row + 18 * b;
+    const V d = vset1(half_at(p));
+    const __m128i qs = load16(p + 2), eight = _mm_set1_epi8(8);
+    // 16-byte halves here: measured faster for Q4_0 than one 32-byte vector and an extract
+    w0 = vmul(d, from_i8(_mm_sub_epi8(lo_nibbles(qs), eight)));
+    w1 = vmul(d, from_i8(_mm_sub_epi8(hi_nibbles(qs), eight)));
+  }
+};
+struct Q5_0 : Simple {  // half d, uint32 qh (bit i = 5th bit of element i), 16 bytes of nibbles
+  static constexpr int kBytes = 22;
+  static void load32(const uint8_t* row, int64_t b, const Scales&, V& w0, V& w1) {
+    const uint8_t* p = row + 22 * b;
+    uint32_t qh;
+    std::memcpy(&qh, p + 2, 4);
+#ifdef LOCKSTEP_AVX512
+    // A table of the 32 values this block can take, (i - 16) * d: exact products (5 x 11 bits), so
+    // the same bits as converting each quant and scaling it, in fewer instructions: each 5-bit
+    // code indexes the table (a two-register permute) instead of a convert and a multiply.
+    const __m512 d = _mm512_set1_ps(half_at(p));
+    const __m512 neg = _mm512_mul_ps(d, _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5,
+                                                       -4, -3, -2, -1));
+    const __m512 pos = _mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i bytes = _mm512_cvtepu8_epi32(load16(p + 6)), bit4 = _mm512_set1_epi32(16);
+    __m512i i0 = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
+    __m512i i1 = _mm512_srli_epi32(bytes, 4);
+    i0 = _mm512_mask_or_epi32(i0, static_cast<__mmask16>(qh & 0xFFFF), i0, bit4);
+    i1 = _mm512_mask_or_epi32(i1, static_cast<__mmask16>(qh >> 16), i1, bit4);
+    w0 = {_mm512_permutex2var_ps(neg, i0, pos)};
+    w1 = {_mm512_permutex2var_ps(neg, i1, pos)};
+#else
+    const V d = vset1(half_at(p));
+    const __m256i q = _mm256_or_si256(nibbles32(p + 6), bits_to_0x10(qh));
+    from_i8x32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), w0, w1);
+    w0 = vmul(d, w0);
+    w1 = vmul(d, w1);
+#endif
+  }
+};
+// Q4_K super-block of 256: half d, half dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+// (32-byte chunk c: low nibbles = group 2c, high = group 2c+1); w = (d * sc) * q - (dmin * m)
+struct Q4_K {
+  static constexpr int kBytes = 18;  // 144 / 8
+  static constexpr int kPer = 8;
+  struct Scales {
+    alignas(32) float a[8];  // d * sc per group
+    alignas(32) float m[8];  // dmin * m per group
+  };
+  static void prepare(const uint8_t* row, int64_t sb, Scales& s) {
+    const uint8_t* p = row + 144 * sb;
+    uint32_t A, B, C;  // bytes 0-3: sc low 6 bits (+ top 2 of sc 4-7), 4-7: the same for mins, 8-11: low nibbles
+    std::memcpy(&A, p + 4, 4);
+    std::memcpy(&B, p + 8, 4);
+    std::memcpy(&C, p + 12, 4);
+    const uint32_t sc_lo = A & 0x3F3F3F3F, mn_lo = B & 0x3F3F3F3F;
+    const uint32_t sc_hi = (C & 0x0F0F0F0F) | ((A >> 2) & 0x30303030);
+    const uint32_t mn_hi = ((C >> 4) & 0x0F0F0F0F) | ((B >> 2) & 0x30303030);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, sc_hi, sc_lo)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, mn_hi, mn_lo)));
+    _mm256_store_ps(s.a, _mm256_mul_ps(_mm256_set1_ps(half_at(p)), sc));
+    _mm256_store_ps(s.m, _mm256_mul_ps(_mm256_set1_ps(half_at(p + 2)), mn));
+  }
+  static void load32(const uint8_t* row, int64_t b, const Scales& s, V& w0, V& w1) {
+    const int j = static_cast<int>(b & 7);
+    const uint8_t* p = row + 144 * (b >> 3) + 16 + 32 * (j >> 1);
+#ifdef LOCKSTEP_AVX512
+    // The 16 values this group can take, a * i - m (the same two roundings as per element), looked
+    // up by each 4-bit code (one permute) instead of converting, scaling and offsetting each quant.
+    const __m512 tab = _mm512_sub_ps(
+        _mm512_mul_ps(_mm512_set1_ps(s.a[j]), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_ps(s.m[j]));
+    const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
+    const __m512i lo = _mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(p)), shift);
+    const __m512i hi = _mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(p + 16)), shift);
+    w0 = {_mm512_permutexvar_ps(lo, tab)};  // uses the index's low 4 bits: the code
+    w1 = {_mm512_permutexvar_ps(hi, tab)};
+#else
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i q = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (j & 1))),
+                                       _mm256_set1_epi8(0x0F));
+    const V a = vset1(s.a[j]), m = vset1(s.m[j]);
+    from_i8x32(q, w0, w1);
+    w0 = vsub(vmul(a, w0), m);
+    w1 = vsub(vmul(a, w1), m);
+#endif
+  }
+};
+// Q6_K super-block of 256: ql[128], qh[64], int8 scales[16] (one per 16 elements), half d at the end.
+// Group j = 4h + g: low 4 bits from ql[64h + 32(g&1) + l] (low nibble for g<2, high for g>=2),
+// top 2 bits from qh[32h + l] >> 2g; w = (d * scale) * (q - 32)
+struct Q6_K {
+  static constexpr int kBytes = 27;  // 210 / 8, rounded up (only used to place prefetches)
+  static constexpr int kPer = 8;
+  struct Scales {
+    alignas(64) float s[16];  // d * scale per 16 elements
+  };
+  static void prepare(const uint8_t* row, int64_t sb, Scales& s) {
+    const uint8_t* p = row + 210 * sb;
+    const __m256 d = _mm256_set1_ps(half_at(p + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+    _mm256_store_ps(s.s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_store_ps(s.s + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+  }
+  static void load32(const uint8_t* row, int64_t b, const Scales& s, V& w0, V& w1) {
+    const uint8_t* p = row + 210 * (b >> 3);
+    const int j = static_cast<int>(b & 7), h = j >> 2, g = j & 3;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (g & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((g >> 1) * 4)),
+                                        _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    from_i8x32(q, w0, w1);
+    w0 = vmul(vset1(s.s[2 * j]), w0);
+    w1 = vmul(vset1(s.s[2 * j + 1]), w1);
+  }
+};
+
+
+
+template <class T>
+void dequant_row(const uint8_t* row, int64_t groups, float* out) {
+  typename T::Scales scales;
+  for (int64_t b = 0; b < groups; ++b) {
+    if (b % T::kPer == 0) T::prepare(row, b / T::kPer, scales);
+    V w0, w1;
+    T::load32(row, b, scales, w0, w1);
+    vstore(out + 32 * b, w0);
+    vstore(out + 32 * b + 16, w1);
+  }
+}
+// ---------------------------------------------------------------- weights: integer quants per block
+struct WMeta {
+  float d, dmin;   // dmin: Q4_K only
+  int32_t s0, s1;  // Q4_K: scale, min; Q6_K: the two 16-element scales
+};
+
+// the x-side integers a block's value needs, computed once per block of a group
+struct XSums {
+  IV a, b;
+};
+
+// a weight block's scales per lane: every lane the same row's (x rows in lanes), or each its own row's
+struct WScales {
+  V d, dmin;
+  IV s0, s1;
+};
+inline WScales bcast(const WMeta& mt) { return {vset1(mt.d), vset1(mt.dmin), iset1(mt.s0), iset1(mt.s1)}; }
+
+inline void store32(uint8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
+
+template <class T>
+struct I8;
+
+#ifdef LOCKSTEP_AVX512
+constexpr bool kQ8Signed = false;
+#else
+constexpr bool kQ8Signed = true;
+#endif
+
+// Q8_0 / Q4_0 / Q5_0: one float scale, integer quants w - kOff
+template <int kOff>
+struct I8Simple {
+  static constexpr bool kSplit = false;  // one integer sum per block
+  static_assert(kOff == 0 || kOff == 8 || kOff == 16 || kOff == 128, "offsets are powers of two");
+  static XSums xsums(IV bs0, IV bs1) {
+    if constexpr (kOff == 0) {
+      return {izero(), izero()};
+    } else {
+      constexpr int shift = kOff == 128 ? 7 : kOff == 16 ? 4 : 3;
+      return {ishl<shift>(iadd(bs0, bs1)), izero()};
+    }
+  }
+  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
+    const IV isum = kOff == 0 ? r[0] : isub(r[0], xs.a);
+    return vmul(itof(isum), vmul(dx, ws.d));
+  }
+};
+
+template <>
+struct I8<Q8_0> : I8Simple<kQ8Signed ? 0 : 128> {
+  static constexpr bool kSignedW = kQ8Signed;
+  static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
+    const uint8_t* p = row + 34 * b;
+    mt = {half_at(p), 0.0f, 0, 0};
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    if (!kQ8Signed) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128
+    return v;
+  }
+};
+
+template <>
+struct I8<Q4_0> : I8Simple<8> {
+  static constexpr bool kSignedW = false;
+  static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
+    const uint8_t* p = row + 18 * b;
+    mt = {half_at(p), 0.0f, 0, 0};
+    return nibbles32(p + 2);
+  }
+};
+
+template <>
+struct I8<Q5_0> : I8Simple<16> {
+  static constexpr bool kSignedW = false;
+  static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
+    const uint8_t* p = row + 22 * b;
+    mt = {half_at(p), 0.0f, 0, 0};
+    uint32_t qh;
+    std::memcpy(&qh, p + 2, 4);
+    return _mm256_or_si256(nibbles32(p + 6), bits_to_0x10(qh));
+  }
+};
+
+template <>
+struct I8<Q4_K> {
+  static constexpr bool kSplit = false;
+  static constexpr bool kSignedW = false;
+  static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
+    const uint8_t* p = row + 144 * (b >> 3);
+    const int j = static_cast<int>(b & 7);
+    const uint8_t* s = p + 4;
+    int32_t sc, mn;
+    if (j < 4) {
+      sc = s[j] & 63;
+      mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    mt = {half_at(p), half_at(p + 2), sc, mn};
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * (j >> 1)));
+    return _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (j & 1))), _mm256_set1_epi8(0x0F));
+  }
+  static XSums xsums(IV bs0, IV bs1) { return {iadd(bs0, bs1), izero()}; }
+  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
+    const V hi = vmul(itof(imul(r[0], ws.s0)), vmul(dx, ws.d));
+    const V lo = vmul(itof(imul(xs.a, ws.s1)), vmul(dx, ws.dmin));
+    return vsub(hi, lo);
+  }
+};
+
+template <>
+struct I8<Q6_K> {
+  static constexpr bool kSplit = true;  // two integer sums per block: a scale per 16 elements
+  static constexpr bool kSignedW = false;
+  static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
+    const uint8_t* p = row + 210 * (b >> 3);
+    const int j = static_cast<int>(b & 7), h = j >> 2, g = j & 3;
+    mt = {half_at(p + 208), 0.0f, static_cast<int8_t>(p[192 + 2 * j]), static_cast<int8_t>(p[193 + 2 * j])};
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (g & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((g >> 1) * 4)),
+                                        _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63, offset 32
+  }
+  static XSums xsums(IV bs0, IV bs1) { return {ishl<5>(bs0), ishl<5>(bs1)}; }
+  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
+    const IV isum = iadd(imul(isub(r[0], xs.a), ws.s0), imul(isub(r[1], xs.b), ws.s1));
+    return vmul(itof(isum), vmul(dx, ws.d));
+  }
+};
+
+
+template <class F>
+void dispatch(int64_t type, F&& f) {
+  switch (static_cast<BlockType>(type)) {
+    case BlockType::Q8_0: return f(Q8_0{});
+    case BlockType::Q4_0: return f(Q4_0{});
+    case BlockType::Q5_0: return f(Q5_0{});
+    case BlockType::Q4_K: return f(Q4_K{});
+    case BlockType::Q6_K: return f(Q6_K{});
+    case BlockType::F16: return f(F16{});
+    case BlockType::BF16: return f(BF16{});
+    case BlockType::F32: return f(F32{});
+  }
+  TORCH_CHECK(false, "lockstep kernels: no kernel for block type id ", type);
+}
+
+// the integer block types only (the int8 path)
+template <class F>
+void dispatch_int8(int64_t type, F&& f) {
+  switch (static_cast<BlockType>(type)) {
+    case BlockType::Q8_0: return f(Q8_0{});
+    case BlockType::Q4_0: return f(Q4_0{});
+    case BlockType::Q5_0: return f(Q5_0{});
+    case BlockType::Q4_K: return f(Q4_K{});
+    case BlockType::Q6_K: return f(Q6_K{});
+    default: break;
+  }
+  TORCH_CHECK(false, "lockstep kernels: no int8 kernel for block type id ", type);
+}
+
+inline void check_blocks(const at::Tensor& blocks, int64_t k) {
+  // rows may be strided (a slice of whole blocks of a wider tensor), bytes within a row contiguous
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1,
+              "blocks must be uint8 [N, row_bytes] with contiguous rows");
+  TORCH_CHECK(blocks.device().is_cpu(), "the lockstep kernels run on CPU tensors");
+  TORCH_CHECK(k > 0 && k % 32 == 0, "the kernels take rows of whole 32-element groups, got ", k);
+}
+
+inline void check_x_f32(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == k &&
+                  x.device().is_cpu(),
+              "x must be contiguous float32 [M, ", k, "] on the CPU");
+}
+
+}  // namespace lockstep

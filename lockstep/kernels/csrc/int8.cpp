@@ -1,0 +1,377 @@
+// ---------------------------------------------------------------- int8 activations
+// llama.cpp's arithmetic: each row of x is quantized per block of 32 to int8 with one float32 scale
+// (dx = max|x| / 127, q = round-half-even(x * (1 / dx)); a block whose dx is below the smallest normal
+// float is all zeros), the weight block's integer quants are multiplied by q in int32 (exact), and
+// every output element is accumulated in float32 over the blocks in increasing order:
+//   Q8_0 / Q4_0 / Q5_0: isum = sum (w - offset) * q                 acc += float(isum) * (dx * d)
+//   Q6_K: isum = sc0 * sum_lo16 (w - 32) * q + sc1 * sum_hi16 (...)   acc += float(isum) * (dx * d)
+//   Q4_K: isum = sc * sum w * q,  mn = m * sum q                      acc += float(isum) * (dx * d)
+//                                                                           - float(mn) * (dx * dmin)
+// Each float operation is one rounding (built with -ffp-contract=off), and the integers are exact, so an
+// element's value depends on nothing but its row of x and row of W: not on M, the other rows, the tile,
+// the thread or the variant. blocks.py's linear_int8_reference computes the same sequence in torch and
+// gives the same bits.
+//
+// Layout: x is quantized once per call into groups of 16 rows, each block of a group stored as 8 "k4"
+// slices of 16 lanes x 4 bytes (lane i = row i's 4 consecutive quants), the layout VNNI's dpbusd (and
+// AMX's B tiles) multiply: a weight's 4 bytes are broadcast to every lane, so one instruction advances
+// 16 rows of x by 4 elements with no horizontal sums. Weights are decoded a panel of rows at a time into
+// plain unsigned bytes (Q8_0 offset by 128 on AVX-512; on AVX2 it stays signed and uses the sign trick,
+// as maddubs saturates on 255 * 127 * 2). At M <= kRowLanesMaxM the W blocks are read as stored
+// instead, nothing decoded to memory (see rows_tile). An AMX-INT8 version of the x-in-lanes tile (TDPBUSD per block of 32, the
+// same integers) was measured no faster than VNNI here: the per-block float steps, not the integer dots,
+// bound this arithmetic, so it is not kept.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "blocks.h"
+#include "ops.h"
+
+namespace lockstep {
+
+constexpr int kXLanes = 16;          // x rows per packed group
+constexpr int64_t kXGroupBytes = 512;  // one block of a group: 8 k4 slices x 16 lanes x 4 bytes
+
+// ---------------------------------------------------------------- x: quantize and pack
+inline float quantize_block32(const float* x, int8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  float d = _mm_cvtss_f32(h) / 127.0f;
+  float id = 1.0f / d;
+  if (!(d >= std::numeric_limits<float>::min())) d = id = 0.0f;  // 1/d would overflow
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));  // nearest even
+  // packs interleave per 128-bit lane; the permute puts the 4-byte groups back in element order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return d;
+}
+
+struct XInt8 {
+  int64_t groups = 0, blocks = 0;
+  std::vector<int8_t> q;     // [groups][blocks][8][16][4]
+  std::vector<float> d;      // [groups][blocks][16]
+  std::vector<int32_t> bs;   // [groups][blocks][2][16]: sums of a block's first and last 16 quants
+};
+
+inline int32_t sum_i8(const int8_t* q, int n) {
+  int32_t s = 0;
+  for (int i = 0; i < n; ++i) s += q[i];
+  return s;
+}
+
+void pack_x_int8(const float* x, int64_t m, int64_t k, XInt8& p) {
+  p.groups = (m + kXLanes - 1) / kXLanes;
+  p.blocks = k / 32;
+  const int64_t gb = p.groups * p.blocks;
+  p.q.assign(static_cast<size_t>(gb * kXGroupBytes), 0);  // padded rows stay zero
+  p.d.assign(static_cast<size_t>(gb * kXLanes), 0.0f);
+  p.bs.assign(static_cast<size_t>(gb * 2 * kXLanes), 0);
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    alignas(32) int8_t t[32];
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t g = r / kXLanes, i = r % kXLanes;
+      for (int64_t b = 0; b < p.blocks; ++b) {
+        const int64_t at = g * p.blocks + b;
+        p.d[at * kXLanes + i] = quantize_block32(x + r * k + 32 * b, t);
+        for (int k4 = 0; k4 < 8; ++k4) std::memcpy(&p.q[at * kXGroupBytes + 64 * k4 + 4 * i], t + 4 * k4, 4);
+        p.bs[at * 32 + i] = sum_i8(t, 16);
+        p.bs[at * 32 + 16 + i] = sum_i8(t + 16, 16);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- tiles
+#ifdef LOCKSTEP_AVX512
+constexpr int kI8Rows = 4;  // W rows per tile
+#else
+constexpr int kI8Rows = 2;
+#endif
+
+// out[j] (lane i) = the output of x row 16g + i and W row j, j < NT; W rows decoded at wq, stride k
+template <class T, int NT>
+I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const XInt8& xp, int64_t g,
+                         V* out) {
+  using Q = I8<T>;
+  constexpr int S = Q::kSplit ? 2 : 1;
+  const int64_t nb = xp.blocks;
+  V acc[NT];
+  UNROLL for (int j = 0; j < NT; ++j) acc[j] = vzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t at = g * nb + b;
+    const int8_t* xq = xp.q.data() + at * kXGroupBytes;
+    // two chains per integer sum (even and odd k4: exact integers, so the split changes nothing)
+    IV r[NT][2 * S];
+    UNROLL for (int j = 0; j < NT; ++j) UNROLL for (int s = 0; s < 2 * S; ++s) r[j][s] = izero();
+    UNROLL for (int k4 = 0; k4 < 8; ++k4) {
+      const IV x = iload(xq + 64 * k4);
+      UNROLL for (int j = 0; j < NT; ++j) {
+        int32_t w;
+        std::memcpy(&w, wq + j * k + 32 * b + 4 * k4, 4);
+        dot4<Q::kSignedW>(r[j][2 * (k4 * S / 8) + (k4 & 1)], iset1(w), x);
+      }
+    }
+    const XSums xs = Q::xsums(iload(&xp.bs[at * 32]), iload(&xp.bs[at * 32 + 16]));
+    const V dx = vload(&xp.d[at * kXLanes]);
+    UNROLL for (int j = 0; j < NT; ++j) {
+      IV sums[S];
+      UNROLL for (int s = 0; s < S; ++s) sums[s] = iadd(r[j][2 * s], r[j][2 * s + 1]);
+      acc[j] = vadd(acc[j], Q::value(sums, xs, dx, bcast(meta[j * nb + b])));
+    }
+  }
+  UNROLL for (int j = 0; j < NT; ++j) out[j] = acc[j];
+}
+
+// W rows [r0, r0 + rows) decoded into wq (stride k) and meta (stride nb)
+template <class T>
+inline void decode_panel(const uint8_t* w, int64_t rb, int64_t r0, int64_t rows, int64_t k, uint8_t* wq,
+                         WMeta* meta) {
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + (r0 + r) * rb;
+    for (int64_t b = 0; b < nb; ++b) {
+      // streamed once: fetch ahead, as the exact kernels do (T::kBytes: bytes per 32 elements)
+      _mm_prefetch(reinterpret_cast<const char*>(row + b * T::kBytes + kPrefetchBytes), _MM_HINT_T0);
+      store32(wq + r * k + 32 * b, I8<T>::quants(row, b, meta[r * nb + b]));
+    }
+  }
+}
+
+// t[j][i] -> y[x row 16g + i][W row c0 + j] for the rows and lanes that exist
+inline void store_lanes(const float* t, int64_t cols, int64_t lanes, float* y, int64_t n, int64_t g, int64_t c0) {
+  for (int64_t i = 0; i < lanes; ++i) {
+    float* dst = y + (g * kXLanes + i) * n + c0;
+    for (int64_t j = 0; j < cols; ++j) dst[j] = t[j * kXLanes + i];
+  }
+}
+
+// W row panels [p0, p1) of `prow` rows each against groups [g0, g1) of x
+template <class T>
+I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float* y, int64_t m, int64_t n,
+                           int64_t k, int64_t prow, int64_t p0, int64_t p1, int64_t g0, int64_t g1) {
+  const int64_t nb = k / 32;
+  std::vector<uint8_t> wq(static_cast<size_t>(prow * k), 0);
+  std::vector<WMeta> meta(static_cast<size_t>(prow * nb), WMeta{0.0f, 0.0f, 0, 0});
+  alignas(64) float t[kI8Rows * kXLanes];
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t r0 = p * prow, rows = std::min(prow, n - r0);
+    decode_panel<T>(w, rb, r0, rows, k, wq.data(), meta.data());
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t lanes = std::min<int64_t>(kXLanes, m - g * kXLanes);
+      for (int64_t j0 = 0; j0 < rows; j0 += kI8Rows) {  // rows past `rows` hold stale or zero data: not stored
+        V out[kI8Rows];
+        int8_tile<T, kI8Rows>(&wq[j0 * k], k, &meta[j0 * nb], xp, g, out);
+        for (int j = 0; j < kI8Rows; ++j) vstore(t + j * kXLanes, out[j]);
+        store_lanes(t, std::min<int64_t>(kI8Rows, rows - j0), lanes, y, n, g, r0 + j0);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- a few rows of x: W blocks as stored
+// At M <= kRowLanesMaxM the x-in-lanes tiles above would leave most lanes empty and cost a decoded
+// panel per call. Here every W block is decoded in registers straight from the GGUF's bytes (nothing
+// repacked, nothing written) and dotted with each x row's block: 8 int32 lanes, lane l the elements
+// 4l..4l+3. The lanes of 8 W rows are then summed by one horizontal-add tree (exact integers: the same
+// sums as any order), which leaves lane j = W row j's block sum, so the float steps run with W rows in
+// the lanes of V/IV, 16 rows at a time: the same integers and float steps per output element as the
+// other paths, so the same bits.
+constexpr int64_t kRowLanesMaxM = 4;  // measured: x rows in lanes is as fast from about 4 rows on
+
+// the 8 lanes of w . x over one block of 32 (w decoded quants, x int8)
+template <bool kSignedW>
+I8_TARGET inline __m256i dot32(__m256i w, __m256i x) {
+#ifdef LOCKSTEP_AVX512
+  static_assert(!kSignedW, "the VNNI path takes unsigned weights");
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  if (kSignedW) x = _mm256_sign_epi8(x, w), w = _mm256_abs_epi8(w);  // |w| * (x * sign w) = w * x
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// v[j] (8 lanes each, j < 8) -> lo: lane j = sum of v[j]'s lanes 0-3 (elements 0-15), hi: lanes 4-7
+inline void sum_lanes8(const __m256i* v, __m256i& lo, __m256i& hi) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  lo = _mm256_permute2x128_si256(u0, u1, 0x20);
+  hi = _mm256_permute2x128_si256(u0, u1, 0x31);
+}
+
+inline IV iv_from(__m256i a, __m256i b) {
+#ifdef LOCKSTEP_AVX512
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)};
+#else
+  return {a, b};
+#endif
+}
+
+// out[i] (lane j) = the output of x row i and W row r0 + j, j < 16 (rows past n repeat row n - 1 and
+// are not stored); x row-major int8 [MR][k], dx [MR][nb], bs [MR][nb][2]
+template <class T, int MR>
+I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, const int8_t* xq, const float* dx,
+                         const int32_t* bs, int64_t k, V* out) {
+  using Q = I8<T>;
+  constexpr int S = Q::kSplit ? 2 : 1;
+  const int64_t nb = k / 32;
+  const uint8_t *row[16], *next[16];
+  for (int j = 0; j < 16; ++j) {
+    row[j] = w + std::min<int64_t>(r0 + j, n - 1) * rb;
+    next[j] = w + std::min<int64_t>(r0 + 16 + j, n - 1) * rb;
+  }
+  // This tile reads its 16 rows a block at a time: 16 short strides, which the hardware prefetchers
+  // follow poorly from DRAM (measured: the 262k-row head ran 1.5x slower than the exact kernel's
+  // row-after-row reads, while 2x faster from cache). So the next tile is fetched here line after
+  // line, in address order, spread over this tile's blocks.
+  const int64_t row_lines = (nb * T::kBytes + 63) / 64, per_block = (16 * row_lines + nb - 1) / nb;
+  int pj = 0;
+  int64_t pl = 0;
+  V acc[MR];
+  UNROLL for (int i = 0; i < MR; ++i) acc[i] = vzero();
+  alignas(64) float md[16], mdmin[16] = {};  // the fields a type does not use stay zero
+  alignas(64) int32_t ms0[16] = {}, ms1[16] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t c = 0; c < per_block && pj < 16; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(next[pj] + 64 * pl), _MM_HINT_T0);
+      if (++pl == row_lines) pl = 0, ++pj;
+    }
+    __m256i sums[MR][2][2];  // [x row][8-row half][elements 0-15 | 16-31]
+    for (int h = 0; h < 2; ++h) {
+      __m256i v[MR][8];
+      UNROLL for (int jj = 0; jj < 8; ++jj) {
+        const int j = 8 * h + jj;
+        WMeta mt;
+        const __m256i q = Q::quants(row[j], b, mt);
+        md[j] = mt.d;
+        if constexpr (std::is_same_v<T, Q4_K>) mdmin[j] = mt.dmin;
+        if constexpr (std::is_same_v<T, Q4_K> || std::is_same_v<T, Q6_K>) ms0[j] = mt.s0, ms1[j] = mt.s1;
+        UNROLL for (int i = 0; i < MR; ++i)
+          v[i][jj] = dot32<Q::kSignedW>(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + 32 * b)));
+      }
+      UNROLL for (int i = 0; i < MR; ++i) sum_lanes8(v[i], sums[i][h][0], sums[i][h][1]);
+    }
+    const WScales ws{vload(md), vload(mdmin), iload(ms0), iload(ms1)};
+    UNROLL for (int i = 0; i < MR; ++i) {
+      IV r[2];
+      if constexpr (S == 2) {
+        r[0] = iv_from(sums[i][0][0], sums[i][1][0]);
+        r[1] = iv_from(sums[i][0][1], sums[i][1][1]);
+      } else {
+        r[0] = iv_from(_mm256_add_epi32(sums[i][0][0], sums[i][0][1]), _mm256_add_epi32(sums[i][1][0], sums[i][1][1]));
+      }
+      const XSums xs = Q::xsums(iset1(bs[(i * nb + b) * 2]), iset1(bs[(i * nb + b) * 2 + 1]));
+      acc[i] = vadd(acc[i], Q::value(r, xs, vset1(dx[i * nb + b]), ws));
+    }
+  }
+  UNROLL for (int i = 0; i < MR; ++i) out[i] = acc[i];
+}
+
+// 16-row W tiles [t0, t1) against all m (<= kRowLanesMaxM) rows of x
+template <class T>
+I8_TARGET void int8_rows(const uint8_t* w, int64_t rb, const int8_t* xq, const float* dx, const int32_t* bs,
+                         float* y, int64_t m, int64_t n, int64_t k, int64_t t0, int64_t t1) {
+  alignas(64) float t[kXLanes];
+  V out[kRowLanesMaxM];
+  for (int64_t tt = t0; tt < t1; ++tt) {
+    const int64_t r0 = tt * 16, rows = std::min<int64_t>(16, n - r0);
+    if (m == 1) rows_tile<T, 1>(w, rb, r0, n, xq, dx, bs, k, out);
+    else if (m == 2) rows_tile<T, 2>(w, rb, r0, n, xq, dx, bs, k, out);
+    else if (m == 3) rows_tile<T, 3>(w, rb, r0, n, xq, dx, bs, k, out);
+    else rows_tile<T, 4>(w, rb, r0, n, xq, dx, bs, k, out);
+    for (int64_t i = 0; i < m; ++i) {
+      vstore(t, out[i]);
+      std::memcpy(y + i * n + r0, t, static_cast<size_t>(rows) * sizeof(float));
+    }
+  }
+}
+
+bool int8_supported() {
+#ifdef LOCKSTEP_AVX512
+  static const bool ok = __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return true;
+#endif
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t k) {
+  check_blocks(blocks, k);
+  check_x_f32(x, k);
+  TORCH_CHECK(int8_supported(), "the int8 kernels of this variant need AVX-512 VNNI");
+  const int64_t m = x.size(0), n = blocks.size(0), rb = blocks.stride(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nb = k / 32;
+  if (m <= kRowLanesMaxM) {
+    std::vector<int8_t> xq(static_cast<size_t>(m * k));
+    std::vector<float> dx(static_cast<size_t>(m * nb));
+    std::vector<int32_t> bs(static_cast<size_t>(m * nb * 2));
+    const float* xs = x.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        int8_t* q = &xq[r * k + 32 * b];
+        dx[r * nb + b] = quantize_block32(xs + r * k + 32 * b, q);
+        bs[(r * nb + b) * 2] = sum_i8(q, 16);
+        bs[(r * nb + b) * 2 + 1] = sum_i8(q + 16, 16);
+      }
+    dispatch_int8(type, [&](auto tag) {
+      using T = decltype(tag);
+      at::parallel_for(0, (n + 15) / 16, 16, [&](int64_t t0, int64_t t1) {
+        int8_rows<T>(w, rb, xq.data(), dx.data(), bs.data(), yp, m, n, k, t0, t1);
+      });
+    });
+    return y;
+  }
+  XInt8 xp;
+  pack_x_int8(x.data_ptr<float>(), m, k, xp);
+  // a panel of decoded rows stays in L1/L2 while every group of x passes over it
+  const int64_t prow = std::max<int64_t>(kI8Rows, std::min<int64_t>(64, 32768 / k) / kI8Rows * kI8Rows);
+  // x in passes of kPassGroups groups (256 rows): a pass's packed blocks stay in L2 while every W panel
+  // goes over them; W panels are decoded once per pass (cheap next to 256 rows of dot products)
+  constexpr int64_t kPassGroups = 16;
+  dispatch_int8(type, [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t g0 = 0; g0 < xp.groups; g0 += kPassGroups) {
+      const int64_t g1 = std::min(xp.groups, g0 + kPassGroups);
+      at::parallel_for(0, (n + prow - 1) / prow, 1, [&](int64_t p0, int64_t p1) {
+        int8_panels<T>(w, rb, xp, yp, m, n, k, prow, p0, p1, g0, g1);
+      });
+    }
+  });
+  return y;
+}
+
+// x's int8 quantization alone (q [M, K] int8, d [M, K / 32] float32): what the tests hold against the reference
+std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "x must be [M, K] with K a multiple of 32");
+  check_x_f32(x, x.size(1));
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, k / 32}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < k / 32; ++b) dp[r * (k / 32) + b] = quantize_block32(xp + r * k + 32 * b, qp + r * k + 32 * b);
+  return {q, d};
+}
+
+}  // namespace lockstep

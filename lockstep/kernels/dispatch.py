@@ -1,0 +1,133 @@
+"""The one dispatch table. For every op: its compiled version in the variant this process loaded (None
+where it has none), its plain-torch reference (reference.py), and the operands the compiled one takes.
+Which compiled versions exist is decided once, when the table is built from build.selected(): the
+variant, and what that variant's op needs of the CPU (the AVX-512 int8 path: VNNI; bfloat16: AMX).
+A call then only checks its operands (CPU tensors, float32, rows of whole 32-element groups...), in
+the op's `takes`; anything else runs the reference, which gives the same numbers (see reference.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from lockstep.kernels import reference as ref
+from lockstep.kernels.blocks import BlockType
+from lockstep.kernels.build import missing_flags, selected
+
+_GROUP = 32  # the compiled block kernels work in groups of 32 input elements
+
+
+@dataclass(frozen=True)
+class Kernel:
+    reference: Callable[..., Any]
+    compiled: Callable[..., Any] | None  # None: this process has no compiled version of the op
+    takes: Callable[..., bool]  # whether the compiled version takes these operands
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None and self.takes(*args):
+            return self.compiled(*args)
+        return self.reference(*args)
+
+
+@dataclass(frozen=True)
+class Table:
+    variant: str  # "avx512" | "avx2" | "torch"
+    linear: Kernel
+    linear_parts: Kernel
+    embedding: Kernel
+    linear_int8: Kernel
+    linear_bf16: Kernel
+    decode_attention: Kernel
+    argmax: Kernel
+    rms_norm: Kernel
+    add_rms_norm: Kernel
+    qk_norm_rope: Kernel
+    act_and_mul: Kernel
+
+    def compiled(self, op: str) -> bool:
+        """True when `op` has a compiled version in this process."""
+        return getattr(self, op).compiled is not None
+
+
+def _cpu_f32(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+
+
+def _blocks_fit(x: torch.Tensor, blocks: torch.Tensor, kind: BlockType, n_cols: int) -> bool:
+    # CPU tensors, rows of whole 32-element groups, bytes contiguous within a row (rows may be strided)
+    return (n_cols % _GROUP == 0 and blocks.stride(1) == 1 and x.device.type == "cpu"
+            and blocks.device.type == "cpu")
+
+
+def _parts_fit(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, BlockType]], n_cols: int) -> bool:
+    return all(_blocks_fit(x, b, kind, n_cols) for b, kind in parts)
+
+
+def _rows(*ts: torch.Tensor, dims: tuple[int, ...] = (2,)) -> bool:  # float32 CPU rows, each contiguous
+    return _cpu_f32(*ts) and all(t.dim() in dims and t.stride(-1) == 1 for t in ts)
+
+
+def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]]:
+    """The variant's functions, adapted to the references' signatures."""
+    def attention(q, k_buf, v_buf, slots, starts, lens, scaling, softcap, window):  # noqa: ANN001, ANN202
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()  # the kernel takes rows at any stride, but each row's heads packed
+        return mod.decode_attention(q, k_buf, v_buf, slots, starts, lens, scaling, softcap or 0.0, window or 0)
+
+    def qk_norm_rope(qkv, n_q, n_kv, d, qw, kw, cos, sin, eps):  # noqa: ANN001, ANN202
+        mod.qk_norm_rope(qkv, n_q, n_kv, d, qw, kw, cos, sin, eps)
+
+    def add_rms_norm(h, x, wx, wy, eps):  # noqa: ANN001, ANN202
+        h2, y = mod.add_rms_norm(h, x, wx, wy, eps)
+        return h2, (y if wy is not None else None)
+
+    ops: dict[str, Callable[..., Any]] = {
+        "linear": lambda x, b, kind, k: mod.linear(x.contiguous(), b, kind.code, k),
+        "linear_parts": lambda x, parts, k: mod.linear_parts(
+            x.contiguous(), [b for b, _ in parts], [kind.code for _, kind in parts], k),
+        "embedding": lambda ids, b, kind, k: mod.embedding(ids.contiguous(), b, kind.code, k),
+        "decode_attention": attention,
+        "argmax": mod.argmax_rows,
+        "rms_norm": mod.rms_norm,
+        "add_rms_norm": add_rms_norm,
+        "qk_norm_rope": qk_norm_rope,
+        "act_and_mul": mod.act_and_mul,
+    }
+    if variant == "avx2" or not missing_flags("int8_vnni"):
+        ops["linear_int8"] = lambda x, b, kind, k: mod.linear_int8(x.contiguous(), b, kind.code, k)
+    if variant == "avx512" and not missing_flags("amx_bf16"):
+        ops["linear_bf16"] = lambda x, b, kind, k: mod.linear_amx_bf16(
+            x.to(torch.bfloat16).contiguous(), b, kind.code, k)
+    return ops
+
+
+_TAKES: dict[str, Callable[..., bool]] = {
+    "linear": _blocks_fit, "linear_int8": _blocks_fit, "linear_bf16": _blocks_fit,
+    "embedding": _blocks_fit, "linear_parts": _parts_fit,
+    # head dim: whole vectors of 16
+    "decode_attention": lambda q, k_buf, *_: _cpu_f32(q, k_buf) and q.shape[-1] % 16 == 0,
+    "argmax": lambda x: _rows(x) and x.shape[1] > 0, "rms_norm": lambda x, w, eps: _rows(x) and _cpu_f32(w),
+    "add_rms_norm": lambda h, x, wx, wy, eps: _rows(h, x),
+    "qk_norm_rope": lambda qkv, n_q, n_kv, d, qw, kw, cos, sin, eps: _rows(qkv, cos, sin, dims=(1, 2, 3)),
+    "act_and_mul": lambda g, act: _rows(g),
+}
+
+
+def build_table(variant: str, mod: ModuleType | None) -> Table:
+    """The table of `variant` (its loaded module, None for the torch reference alone)."""
+    compiled = _compiled_ops(mod, variant) if mod is not None else {}
+    ops = {f.name: Kernel(getattr(ref, f.name), compiled.get(f.name), _TAKES[f.name])
+           for f in fields(Table) if f.name != "variant"}
+    return Table(variant=variant, **ops)
+
+
+@functools.cache
+def table() -> Table:
+    """This process's table, built once from the variant build.selected() loaded."""
+    return build_table(*selected())

@@ -1,0 +1,96 @@
+"""Every op's plain-torch reference: what serves where no compiled variant is loaded or the operands do not
+fit one (see dispatch.py), and what the tests hold each compiled version against. The block linears give
+the compiled numbers bitwise on the int8 path and up to float summation order on the exact one; the
+row-wise ops up to float rounding; argmax exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.kernels.blocks import BlockType, dequantize, linear_int8_reference
+
+COMPILED_ACTS = ("gelu_tanh", "silu")
+
+
+def linear(x: torch.Tensor, blocks: torch.Tensor, kind: BlockType, n_cols: int) -> torch.Tensor:
+    return x @ dequantize(kind, blocks, n_cols).T
+
+
+def linear_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, BlockType]], n_cols: int) -> torch.Tensor:
+    outs = [linear(x, b, kind, n_cols) for b, kind in parts]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def embedding(ids: torch.Tensor, blocks: torch.Tensor, kind: BlockType, n_cols: int) -> torch.Tensor:
+    return dequantize(kind, blocks[ids], n_cols)
+
+
+linear_int8 = linear_int8_reference
+
+
+def linear_bf16(x: torch.Tensor, blocks: torch.Tensor, kind: BlockType, n_cols: int) -> torch.Tensor:
+    # float32 sums of the bf16-rounded operands: a bf16 matmul would round its output to bfloat16
+    # too (an error of 0.09 at K=256). Not batch invariant.
+    return x.to(torch.bfloat16).float() @ dequantize(kind, blocks, n_cols).to(torch.bfloat16).float().T
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_slots: torch.Tensor,
+                     starts: torch.Tensor, lens: torch.Tensor, scaling: float, softcap: float | None,
+                     window: int | None) -> torch.Tensor:
+    r, h, d = q.shape
+    hkv = k_buf.shape[1]
+    # one gather for the batch (a call per request costs more at batch 32), then each request's rows
+    keys_all, vals_all = k_buf.index_select(0, kv_slots), v_buf.index_select(0, kv_slots)
+    outs = []
+    for i, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+        lo = 0 if window is None else max(0, n - window)
+        keys = keys_all[s + lo:s + n].transpose(0, 1)  # [Hkv, L, D]
+        vals = vals_all[s + lo:s + n].transpose(0, 1)
+        # the query heads sharing a KV head are stacked into its rows, so K/V are not repeated
+        scores = torch.matmul(q[i].reshape(hkv, h // hkv, d), keys.transpose(-1, -2)).mul_(scaling)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        outs.append(torch.matmul(scores.softmax(-1), vals).reshape(1, h * d))
+    return torch.cat(outs) if outs else q.new_empty(0, h * d)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    # max(dim) returns the same first-maximum index as argmax and is faster on CPU (2x alone)
+    return x.max(dim=-1).indices
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, x: torch.Tensor, wx: torch.Tensor | None, wy: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    shape = (h.shape[-1],)
+    h2 = h + (x if wx is None else F.rms_norm(x, shape, wx, eps))
+    return h2, (None if wy is None else F.rms_norm(h2, shape, wy, eps))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary of x [T, H, D] by cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def qk_norm_rope(qkv: torch.Tensor, n_q: int, n_kv: int, head_dim: int, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> None:
+    t, d = qkv.shape[0], head_dim
+    for heads, w in ((qkv[:, :n_q * d].view(t, n_q, d), q_weight),
+                     (qkv[:, n_q * d:(n_q + n_kv) * d].view(t, n_kv, d), k_weight)):
+        normed = heads if w is None else F.rms_norm(heads, (d,), w, eps)
+        heads.copy_(rotate(normed, cos, sin))
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    g = F.gelu(gate, approximate="tanh") if act == "gelu_tanh" else F.silu(gate)
+    return g * up
