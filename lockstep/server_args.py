@@ -135,6 +135,19 @@ class ServerArgs:
                "finishing a step (a message) before it dumps every thread's stack to the log and "
                "brings the server down (0 = off).",
         "scheduling", min=0)
+    speculative_algorithm: str | None = arg(
+        None, "NGRAM: each decoding request drafts its next tokens from n-grams of its own prompt "
+              "and output (and of recent requests), and one pass verifies them; the output is "
+              "bitwise the same as without it (off by default; docs/benchmarks.md).",
+        "speculative decoding", choices=["NGRAM"])
+    speculative_num_draft_tokens: int = arg(
+        8, "Most draft tokens one verify pass checks per request.", "speculative decoding", min=1)
+    speculative_ngram_min_match_window_size: int = arg(
+        2, "Shortest suffix (tokens) matched to draft.", "speculative decoding", min=1)
+    speculative_ngram_max_match_window_size: int = arg(
+        6, "Longest suffix (tokens) matched to draft.", "speculative decoding", min=1)
+    speculative_ngram_capacity: int = arg(
+        100_000, "N-grams of finished requests kept for drafting.", "speculative decoding", min=0)
     tp_size: int = arg(1, "Tensor-parallel ranks per replica.", "parallelism", min=1)
     pp_size: int = arg(1, "Pipeline stages per replica.", "parallelism", min=1)
     pp_micro_batches: int | None = arg(
@@ -174,6 +187,9 @@ class ServerArgs:
         problems += quantization_problems(self.quantization, self.device, self.dtype)
         problems += int8_activation_problems(self.int8_activations, self.device, self.dtype,
                                              self.quantization)
+        if (self.speculative_ngram_min_match_window_size
+                > self.speculative_ngram_max_match_window_size):
+            problems.append("--speculative-ngram-min-match-window-size must be <= the max one")
         if not 0 < self.mem_fraction_static < 1:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:
@@ -192,8 +208,9 @@ class ServerArgs:
         """Whether the schedulers run the overlap loop, resolved from the flag and the device:
         on for cuda, off for cpu (where it did not pay) unless --enable-overlap-schedule.
         Pipeline stages exchange hidden states and sampled tokens on the forward path, which a
-        forward thread would interleave with the scheduler's own collectives: plain loop there."""
-        if self.pp_size > 1 or self.enable_overlap_schedule is False:
+        forward thread would interleave with the scheduler's own collectives: plain loop there.
+        Speculative decoding picks each draft from the previous step's real tokens: plain loop."""
+        if self.pp_size > 1 or self.enable_overlap_schedule is False or self.speculative_algorithm:
             return False
         return self.device == "cuda" or bool(self.enable_overlap_schedule)
 

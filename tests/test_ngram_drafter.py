@@ -45,29 +45,32 @@ def test_the_store_drafts_across_requests_and_stays_bounded() -> None:
 
 
 def test_drafts_follow_acceptance_and_pause_after_misses() -> None:
-    drafter = NgramDrafter(CFG)
-    state = drafter.new_state([1, 2, 3, 4, 1, 2])
-    assert drafter.propose(state, room=10) == [3, 4, 1, 2]
-    drafter.observe(state, [3, 4], drafted=4, accepted=1)
+    drafter, tokens = NgramDrafter(CFG), [1, 2, 3, 4, 1, 2]
+    state = drafter.new_state()
+    assert drafter.propose(state, tokens, room=10) == [3, 4, 1, 2]
+    drafter.observe(state, drafted=4, accepted=1)
+    tokens += [3, 4]
     assert state.length == 2 and state.verify_ct == 1 and state.accepted == 1
-    assert len(drafter.propose(state, room=10)) <= 2
-    assert drafter.propose(state, room=0) == []  # no room: never a draft past max_new_tokens
+    assert drafter.propose(state, tokens, room=10) == [1, 2]  # [3, 4] matched, at most 2 now
+    assert drafter.propose(state, tokens, room=0) == []  # no room: never past max_new_tokens
     for _ in range(2):
-        drafter.observe(state, [9], drafted=2, accepted=0)
-    assert state.pause == 1 and drafter.propose(state, room=10) == []  # paused one step
+        drafter.observe(state, drafted=2, accepted=0)
+    tokens += [9]
+    assert state.pause == 1 and drafter.propose(state, tokens, room=10) == []  # paused a step
 
 
 def _drafts_of_a_run(seed: int) -> list[list[int]]:
     """One drafter fed requests (prompts, then steps emitting the draft's first token or another)."""
     rng, drafter, out = random.Random(seed), NgramDrafter(CFG), []
     for _ in range(12):
-        state = drafter.new_state([rng.randrange(20) for _ in range(rng.randrange(5, 60))])
+        state, tokens = drafter.new_state(), [rng.randrange(20) for _ in range(rng.randrange(5, 60))]
         for _ in range(10):
-            draft = drafter.propose(state, room=8)
+            draft = drafter.propose(state, tokens, room=8)
             out.append(draft)
-            step = draft[:1] or [rng.randrange(20)]
-            drafter.observe(state, step, drafted=len(draft), accepted=len(step) if draft else 0)
-        drafter.finished(state.index.tokens)
+            tokens += draft[:2] if draft else [rng.randrange(20)]
+            if draft:
+                drafter.observe(state, drafted=len(draft), accepted=min(1, len(draft) - 1))
+        drafter.finished(tokens)
     return out
 
 

@@ -105,14 +105,14 @@ class NgramDrafter:
         self.cfg = cfg
         self.store = NgramStore(cfg)
 
-    def new_state(self, tokens: Sequence[int]) -> DraftState:
-        index = TokenIndex(self.cfg)
-        index.extend(tokens)
-        return DraftState(index, self.cfg.max_draft)
+    def new_state(self) -> DraftState:
+        return DraftState(TokenIndex(self.cfg), self.cfg.max_draft)
 
-    def propose(self, state: DraftState, room: int) -> list[int]:
-        """The draft for the request's next step, at most `room` tokens (what max_new_tokens and the
-        context still allow after the token this step samples anyway)."""
+    def propose(self, state: DraftState, tokens: Sequence[int], room: int) -> list[int]:
+        """The draft for the request's next step, given all its tokens so far (prompt and output;
+        the index takes in what it has not seen), at most `room` tokens (what max_new_tokens and
+        the context still allow after the token this step samples anyway)."""
+        state.index.extend(tokens[len(state.index.tokens):])
         if state.pause > 0:
             state.pause -= 1
             return []
@@ -121,11 +121,8 @@ class NgramDrafter:
             return []
         return state.index.continuation(k) or self.store.continuation(state.index.tokens, k)
 
-    def observe(self, state: DraftState, new_tokens: Sequence[int], drafted: int, accepted: int) -> None:
-        """Take in a step's emitted tokens and how much of its draft (if any) was accepted."""
-        state.index.extend(new_tokens)
-        if not drafted:
-            return
+    def observe(self, state: DraftState, drafted: int, accepted: int) -> None:
+        """How much of a verified draft was accepted."""
         state.verify_ct += 1
         state.accepted += accepted
         if accepted == drafted:

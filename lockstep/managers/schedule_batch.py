@@ -64,6 +64,10 @@ class Req:
     in_logprobs: list[TokenLogprob] = field(default_factory=list)
     in_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     stops: StopChecker | None = None  # stop strings / stop_regex: the output's text, checked
+    # Speculative decoding: this step's draft (tokens after the last one, verified in one pass) and
+    # the drafter's state of this request (an ngram_drafter.DraftState).
+    draft: list[int] = field(default_factory=list)
+    spec: Any = None
 
     @classmethod
     def from_input(cls, r: TokenizedGenerateReq, arrival: int) -> Req:
@@ -144,15 +148,16 @@ class ModelWorkerBatch:
 class ScheduleBatch:
     reqs: list[Req]
     mode: ForwardMode
-    # Whether each request samples a token this step (a chunk that ends mid-prompt does not).
-    samples: list[bool] = field(default_factory=list)
+    # How many tokens each request samples this step: 0 for a chunk that ends mid-prompt, else 1,
+    # or 1 + its draft's length in a speculative verify pass (its last 1 + k rows are sampled).
+    samples: list[int] = field(default_factory=list)
     out_cache_loc: torch.Tensor | None = None  # KV slots for this step's new tokens
     worker_batch: ModelWorkerBatch | None = None
     # Tokens each request computes, recorded when scheduled (an overlap launch moves cached_len).
     extend_lens: list[int] = field(default_factory=list)
 
     def fingerprint(self) -> str:
-        desc = repr((self.mode.value, [(r.rid, r.cached_len, r.device_len) for r in self.reqs]))
+        desc = repr((self.mode.value, [(r.rid, r.cached_len, r.device_len, r.draft) for r in self.reqs]))
         return hashlib.sha1(desc.encode()).hexdigest()[:16]
 
     def to_worker_batch(self, req_to_token: torch.Tensor, out_cache_loc: torch.Tensor,
@@ -168,6 +173,7 @@ class ScheduleBatch:
             fill = req.fill_ids
             if req.future_token is not None:  # sampled by the batch in flight: resolved on the thread
                 fill = fill + [req.future_token]
+            fill = fill + req.draft
             start = len(ids)
             ids.extend(fill[req.cached_len:req.device_len])
             positions.extend(range(req.cached_len, req.device_len))
@@ -183,9 +189,9 @@ class ScheduleBatch:
                     prompt_rows.append(None)
             else:
                 prompt_rows.append(None)
-            if samples:
+            for row in range(len(ids) - samples, len(ids)):
                 sample_rows.append(len(logits_idx))
-                logits_idx.append(len(ids) - 1)
+                logits_idx.append(row)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         fb = ForwardBatch(
             mode=self.mode, input_ids=t(ids), positions=t(positions), out_cache_loc=out_cache_loc,
@@ -194,8 +200,9 @@ class ScheduleBatch:
             extend_lens=t([r.extend_len for r in self.reqs]),
             logits_indices=t(logits_idx),
         )
-        sampling = build_sampling_info([r for r, s in zip(self.reqs, self.samples) if s],
-                                       vocab_size, base_seed, device, fill_masks)
+        rows = [(r, i) for r, s in zip(self.reqs, self.samples) for i in range(s)]
+        sampling = build_sampling_info([r for r, _ in rows], vocab_size, base_seed, device,
+                                       fill_masks, [i for _, i in rows])
         return ModelWorkerBatch(
             fb, sampling, t(sample_rows), prompt_rows, t(prompt_targets),
             max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
@@ -218,8 +225,11 @@ MaskFiller = Callable[[Sequence[GrammarMatcher]], torch.Tensor]
 
 
 def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str,
-                        fill_masks: MaskFiller | None = None) -> SamplingBatchInfo:
-    """`fill_masks` is None on ranks that do not sample (pipeline stages before the last)."""
+                        fill_masks: MaskFiller | None = None,
+                        offsets: Sequence[int] | None = None) -> SamplingBatchInfo:
+    """One row per sampled token. `offsets[i]`: row i samples the token that many places after the
+    request's next one (a verify pass's draft positions), so it draws the noise plain decoding
+    would draw there. `fill_masks` is None on ranks that do not sample (stages before the last)."""
     ps = [r.sampling_params for r in reqs]
     f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
     i = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
@@ -229,7 +239,7 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
         temperatures=f([0.0 if p.is_greedy else p.temperature for p in ps]),
         top_ps=f([p.top_p for p in ps]), top_ks=i(top_ks), min_ps=f([p.min_p for p in ps]),
         seeds=i([request_seed(r, base_seed) for r in reqs]),
-        steps=i([r.sampled_len for r in reqs]),
+        steps=i([r.sampled_len + o for r, o in zip(reqs, offsets or [0] * len(reqs))]),
         all_greedy=all(p.is_greedy for p in ps),
         need_filter=any(p.top_p < 1 or k < vocab or p.min_p > 0 for p, k in zip(ps, top_ks)),
     )

@@ -22,7 +22,11 @@ from lockstep.constrained import GrammarBackend, grammar_backend_for, request_ma
 from lockstep.core import FINISH_ABORT, ForwardMode
 from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
-from lockstep.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from lockstep.managers.scheduler_output_processor import (
+    SchedulerOutputProcessorMixin,
+    SchedulerStats,
+)
+from lockstep.managers.speculative import Speculator
 from lockstep.managers.stop_checker import stop_checker
 from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from lockstep.managers.tp_worker_overlap_thread import TpModelWorkerClient
@@ -47,16 +51,6 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
 class KVLeakError(RuntimeError):
     pass
-
-
-@dataclass
-class SchedulerStats:
-    prompt_tokens: int = 0  # submitted
-    prefill_tokens: int = 0  # actually computed in extend passes
-    cached_tokens: int = 0
-    retractions: int = 0
-    generated_tokens: int = 0
-    overlapped_steps: int = 0  # steps that processed a result while the next batch computed
 
 
 @dataclass
@@ -107,6 +101,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         # start. Request rows freed while a launched batch may still read them are parked
         # (with the launch number they wait for) so no new request reuses them too early.
         self.overlap = args.overlap_schedule
+        self.speculator = Speculator(args) if args.speculative_algorithm else None
         self.worker_client = (TpModelWorkerClient(worker, args.max_running_requests + 1)
                               if self.overlap else None)
         self.inflight: InFlight | None = None
@@ -308,7 +303,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         for req, loc in zip(admitted, locs):
             self.req_to_token_pool.req_to_token[req.req_pool_idx, req.cached_len:req.device_len] = loc
         return ScheduleBatch(admitted, ForwardMode.EXTEND,
-                             [r.device_len == r.seq_len for r in admitted], torch.cat(locs))
+                             [int(r.device_len == r.seq_len) for r in admitted], torch.cat(locs))
 
     def _admit_waiting(self, admitted: list[Req], locs: list[torch.Tensor], budget: int) -> None:
         available = self.allocator.available_size() + self.tree.evictable_size()
@@ -373,13 +368,18 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self._sync()
         if not self.running:
             return None
-        loc = self._alloc_retracting(lambda: len(self.running))
+        loc = self.speculator and self.speculator.draft(self.running, self.max_req_len, self._alloc)
+        if loc is None:  # drafts never retract anyone: no draft got KV, or none was made
+            loc = self._alloc_retracting(lambda: len(self.running))
         if loc is None or not self.running:
             return None
-        for i, req in enumerate(self.running):
-            req.device_len = req.cached_len + 1
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, req.cached_len] = loc[i]
-        return ScheduleBatch(list(self.running), ForwardMode.DECODE, [True] * len(self.running), loc)
+        rows, at = self.req_to_token_pool.req_to_token, 0
+        for req in self.running:
+            req.device_len = req.cached_len + 1 + len(req.draft)
+            rows[req.req_pool_idx, req.cached_len:req.device_len] = loc[at:at + 1 + len(req.draft)]
+            at += 1 + len(req.draft)
+        return ScheduleBatch(list(self.running), ForwardMode.DECODE,
+                             [1 + len(r.draft) for r in self.running], loc)
 
     def _alloc_retracting(self, size: Callable[[], int]) -> torch.Tensor | None:
         """KV slots for `size()` (re-read as requests go), retracting running requests while the

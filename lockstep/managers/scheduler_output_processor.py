@@ -4,6 +4,8 @@ tokens into its requests, decide which finished, and queue the outputs the sched
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from lockstep.core import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -16,6 +18,16 @@ from lockstep.core import (
 from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.tp_worker import GenerationBatchResult
 from lockstep.messages import ReqOutput
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0  # submitted
+    prefill_tokens: int = 0  # actually computed in extend passes
+    cached_tokens: int = 0
+    retractions: int = 0
+    generated_tokens: int = 0
+    overlapped_steps: int = 0  # steps that processed a result while the next batch computed
 
 
 class SchedulerOutputProcessorMixin:
@@ -45,15 +57,7 @@ class SchedulerOutputProcessorMixin:
             if req.sampling_params.max_new_tokens == 0:
                 self.finish(req, FINISH_LENGTH(0))
                 continue
-            token = res.next_token_ids[j]
-            req.output_ids.append(token)
-            self.stats.generated_tokens += 1
-            if req.return_logprob and res.next_token_logprobs is not None:
-                req.out_logprobs.append(TokenLogprob(res.next_token_logprobs[j], token))
-                if req.top_logprobs_num and res.next_top_logprobs is not None:
-                    req.out_top_logprobs.append(
-                        _logprobs(res.next_top_logprobs[j][: req.top_logprobs_num]))
-            reason = self._check_finished(req, token)
+            reason = self._take_tokens(req, res, j, batch.samples[i])
             if reason is not None:
                 self.finish(req, reason)
                 continue
@@ -62,6 +66,36 @@ class SchedulerOutputProcessorMixin:
                 self._cache_unfinished(req)
                 self.running.append(req)
             self._emit(req)
+
+    def _take_tokens(self, req: Req, res: GenerationBatchResult, j: int, n: int
+                     ) -> BaseFinishReason | None:
+        """Append the request's sampled tokens res[j : j + n] in order, as plain decoding would
+        have one step each, until one finishes it or, in a speculative verify pass (n = 1 + its
+        draft's length), one differs from the draft token that the next position was computed
+        from. Only the KV of accepted inputs is kept: the rest is freed, never reaching the tree."""
+        start, draft = req.device_len - n, req.draft
+        req.draft = []
+        reason = None
+        for s in range(n):
+            req.cached_len = start + s + 1  # the inputs up to this token's position were right
+            token = res.next_token_ids[j + s]
+            req.output_ids.append(token)
+            self.stats.generated_tokens += 1
+            if req.return_logprob and res.next_token_logprobs is not None:
+                req.out_logprobs.append(TokenLogprob(res.next_token_logprobs[j + s], token))
+                if req.top_logprobs_num and res.next_top_logprobs is not None:
+                    req.out_top_logprobs.append(
+                        _logprobs(res.next_top_logprobs[j + s][: req.top_logprobs_num]))
+            reason = self._check_finished(req, token)
+            if reason is not None or s == n - 1 or token != draft[s]:
+                break
+        if draft:
+            self.speculator.verified(req, len(draft), accepted=s)
+        if req.device_len > req.cached_len:
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[req.cached_len:req.device_len].clone())
+            req.device_len = req.cached_len
+        return reason
 
     def _add_prompt_logprobs(self, req: Req, res: GenerationBatchResult, i: int
                              ) -> None:
@@ -100,6 +134,8 @@ class SchedulerOutputProcessorMixin:
         if self.chunked_req is req:
             self.chunked_req = None
         self._release(req)
+        if self.speculator is not None:
+            self.speculator.finished(req)
         req.finish_reason = reason
         req.phase = ReqPhase.FINISHED
         self._emit(req)

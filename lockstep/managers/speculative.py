@@ -1,0 +1,83 @@
+"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM): which decoding requests
+draft this step, and what their verify passes accepted.
+
+A request with a draft d_1..d_k extends by 1 + k positions in the decode batch (its last token,
+then the draft); the pass samples all 1 + k of them, position i with the noise plain decoding
+would draw there (sampling step + i). Its tokens are then taken in order and the run stops after
+the first that differs from the draft token the next position was computed from
+(`SchedulerOutputProcessorMixin._take_tokens`). On a CPU every row's logits are the bits a
+one-token decode step gives (the linears and norms are row-wise, attention runs each query row
+alone), so the tokens, logprobs and finishes are bitwise those of plain decoding.
+
+What drafts: requests whose sampling reads only their logits (no penalties, which count outputs,
+and no grammar, whose mask would need each draft token accepted first), in decode batches of at
+most SPEC_MAX_BATCH requests. Drafts are a pure function of the requests' tokens, so every rank
+drafts alike and the schedule fingerprint (which includes them) stays equal across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.managers.ngram_drafter import NgramConfig, NgramDrafter
+from lockstep.managers.schedule_batch import Req
+from lockstep.server_args import ServerArgs
+
+# On a CPU a decode step's cost is its weight reads up to a few rows and its arithmetic beyond: a
+# batch this large is compute-bound, where a draft's rows cost about what plain steps would.
+SPEC_MAX_BATCH = 4
+
+
+@dataclass
+class SpecStats:
+    verify_passes: int = 0  # request-steps that verified a draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+class Speculator:
+    def __init__(self, args: ServerArgs) -> None:
+        self.drafter = NgramDrafter(NgramConfig(
+            max_draft=args.speculative_num_draft_tokens,
+            min_window=args.speculative_ngram_min_match_window_size,
+            max_window=args.speculative_ngram_max_match_window_size,
+            capacity=args.speculative_ngram_capacity))
+        self.stats = SpecStats()
+
+    def draft(self, running: list[Req], max_req_len: int,
+              alloc: Callable[[int], torch.Tensor | None]) -> torch.Tensor | None:
+        """Set each running request's draft for this step and return the KV slots of the step
+        (1 + draft length per request, in order); None, and no drafts, if none was made or the
+        pool could not hold them (a draft is never worth retracting a request for)."""
+        for req in running:
+            req.draft = [] if len(running) > SPEC_MAX_BATCH else self._propose(req, max_req_len)
+        drafted = sum(len(r.draft) for r in running)
+        loc = alloc(len(running) + drafted) if drafted else None
+        if loc is None:
+            for req in running:
+                req.draft = []
+        return loc
+
+    def _propose(self, req: Req, max_req_len: int) -> list[int]:
+        if req.needs_real_outputs:
+            return []
+        if req.spec is None:
+            req.spec = self.drafter.new_state()
+        p = req.sampling_params
+        # Plain decoding would emit at most this many more tokens; this step emits 1 + the draft.
+        left = min(p.max_new_tokens - len(req.output_ids), max_req_len - req.seq_len)
+        return self.drafter.propose(req.spec, req.fill_ids, left - 1)
+
+    def verified(self, req: Req, drafted: int, accepted: int) -> None:
+        self.drafter.observe(req.spec, drafted, accepted)
+        self.stats.verify_passes += 1
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_tokens += accepted
+
+    def finished(self, req: Req) -> None:
+        if req.output_ids:
+            self.drafter.finished(req.fill_ids)
+        req.draft, req.spec = [], None

@@ -1,0 +1,138 @@
+"""Speculative decoding changes no output: with --speculative-algorithm NGRAM the ids, logprobs and
+finish reasons are bitwise those of plain decoding, greedy and seeded, with every feature that
+bears on which token comes next or when a request ends; rejected drafts leak no KV (the schedulers
+here check the pool at every idle step and raise on a leak). Tiny models run on the block kernels
+(--quantization q8_0), whose rows never depend on their batch, like the real model's GGUF blocks."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from lockstep.core import FINISH_MATCHED_STR
+from lockstep.entrypoints.engine import launch_subprocesses
+from lockstep.server_args import ServerArgs
+from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
+
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1}
+
+
+def _prompts(n: int, seed: int = 0, length: int = 24) -> list[list[int]]:
+    """Prompts that repeat themselves in part, as the text speculation is for does."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(5, 250) for _ in range(length)]
+        out.append(base + base[: length // 2])
+    return out
+
+
+def _run(model_dir: Any, reqs: list[Any], spec: bool, **server: Any) -> tuple[dict, Any]:
+    kw = {"max_total_tokens": 4096, "quantization": "q8_0", **server}
+    sched = make_scheduler(model_dir, **kw, **(SPEC if spec else {}))
+    return run_to_completion(sched, reqs), sched
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert b[rid].output_ids == a[rid].output_ids, rid
+        assert b[rid].logprobs == a[rid].logprobs, rid  # bitwise: float equality
+        assert b[rid].finish_reason == a[rid].finish_reason, rid
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.6, "top_p": 0.9, "seed": 3}],
+                         ids=["greedy", "seeded"])
+def test_spec_on_gives_the_bits_of_spec_off(arch: str, sampling: dict, tiny_model_dirs) -> None:
+    reqs = lambda: [greedy_req(f"r{i}", p, 40, return_logprob=True, top_logprobs_num=3, **sampling)  # noqa: E731
+                    for i, p in enumerate(_prompts(4, seed=1))]
+    off, _ = _run(tiny_model_dirs[arch], reqs(), spec=False)
+    on, sched = _run(tiny_model_dirs[arch], reqs(), spec=True)
+    _same(off, on)
+    assert sched.speculator.stats.verify_passes > 0  # drafts were made and verified
+
+
+@pytest.mark.parametrize("case", ["stops", "penalties", "grammar", "chunked", "prefix_hit",
+                                  "retraction", "mixed"])
+def test_features_behave_as_without_speculation(case: str, tiny_model_dirs) -> None:
+    prompts = _prompts(4, seed=2)  # at most SPEC_MAX_BATCH: every decode batch may draft
+    server: dict[str, Any] = {}
+    per_req: dict[str, Any] = {}
+    if case == "stops":  # stop ids, min_new_tokens and max_new_tokens cut runs short
+        per_req = {"stop_token_ids": [17, 42, 99], "min_new_tokens": 3, "ignore_eos": False}
+    elif case == "penalties":
+        per_req = {"frequency_penalty": 0.5, "repetition_penalty": 1.2}
+    elif case == "chunked":
+        server = {"chunked_prefill_size": 8}
+    elif case == "retraction":
+        server = {"max_total_tokens": 160, "new_token_ratio": 0.05}  # admits what will not fit
+    elif case == "mixed":
+        server = {"enable_mixed_chunk": True, "chunked_prefill_size": 16}
+    if case == "grammar":
+        from lockstep.constrained.constraint import constraint_from_fields
+        per_req = {"constraint": constraint_from_fields(r"(ab|cd){3,12}", None, None)}
+
+    def reqs() -> list | dict:
+        out = [greedy_req(f"r{i}", p, 30, return_logprob=True, **per_req)
+               for i, p in enumerate(prompts)]
+        if case == "prefix_hit":  # the same prompts again once the first ones are in the tree
+            return {0: out, 60: [greedy_req(f"again{i}", p, 30, return_logprob=True)
+                                 for i, p in enumerate(prompts)]}
+        return out
+
+    off, _ = _run(tiny_model_dirs["llama"], reqs(), spec=False, **server)
+    on, sched = _run(tiny_model_dirs["llama"], reqs(), spec=True, **server)
+    _same(off, on)
+    if case not in ("penalties", "grammar"):  # those requests do not draft
+        assert sched.speculator.stats.verify_passes > 0
+    if case == "retraction":
+        assert sched.stats.retractions > 0
+    if case == "prefix_hit":
+        assert all(on[f"again{i}"].cached_tokens > 0 for i in range(len(prompts)))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 9}], ids=["greedy", "seeded"])
+def test_the_real_model_copies_faster_with_the_same_bits(sampling: dict) -> None:
+    from transformers import AutoTokenizer
+
+    from lockstep.model_loader import resolve_model
+    from lockstep.testing.corpus import _ENGLISH
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
+    passage = " ".join(_ENGLISH.splitlines()[3:8])
+    ids = tok(f"<start_of_turn>user\nRepeat this text exactly:\n\n{passage}<end_of_turn>\n"
+              "<start_of_turn>model\n").input_ids
+    req = lambda **kw: greedy_req("r", ids, 80, return_logprob=True, top_logprobs_num=2,  # noqa: E731
+                                  **sampling, **kw)
+    off = run_to_completion(make_scheduler(None, max_total_tokens=4096), [req()])
+    sched = make_scheduler(None, max_total_tokens=4096, **SPEC)
+    on = run_to_completion(sched, [req()])
+    _same(off, on)
+    assert sched.speculator.stats.accepted_tokens > 10
+    # A stop string inside an accepted run ends the request at the same token as without.
+    text = tok.decode(off["r"].output_ids[20:30])
+    stop = text.strip().split(" ")[0] if text.strip() else text
+    with_stop = {"stop": [stop], "skip_special_tokens": True}
+    off = run_to_completion(make_scheduler(None, max_total_tokens=4096), [req(**with_stop)])
+    on = run_to_completion(make_scheduler(None, max_total_tokens=4096, **SPEC), [req(**with_stop)])
+    _same(off, on)
+    assert isinstance(on["r"].finish_reason, FINISH_MATCHED_STR)
+
+
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}], ids=["tp2", "pp2"])
+def test_ranks_draft_alike_under_tp_and_pp(layout: dict, tiny_model_dirs) -> None:
+    model_dir = tiny_model_dirs["llama"]
+    prompts = _prompts(4, seed=5)
+    off, _ = _run(model_dir, [greedy_req(f"r{i}", p, 24) for i, p in enumerate(prompts)], spec=False)
+    args = ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=4096,
+                      quantization="q8_0", enable_lockstep_check=1, **layout, **SPEC)
+    launched = launch_subprocesses(args)
+    try:
+        got = generate_through(launched, prompts, 24)
+    finally:
+        launched.shutdown()
+    assert got == [off[f"r{i}"].output_ids for i in range(len(prompts))]
