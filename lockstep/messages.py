@@ -74,6 +74,8 @@ class ReqOutput:
     text_limit: int | None = None
     # The detokenizer's: the text these tokens add.
     text_delta: str = ""
+    # With speculative decoding: (verify passes, draft tokens, accepted draft tokens) so far.
+    spec: tuple[int, int, int] | None = None
 
 
 @dataclass

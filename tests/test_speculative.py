@@ -29,49 +29,64 @@ def _prompts(n: int, seed: int = 0, length: int = 24) -> list[list[int]]:
     return out
 
 
-def _run(model_dir: Any, reqs: list[Any], spec: bool, **server: Any) -> tuple[dict, Any]:
+def _pair(model_dir: Any, **server: Any) -> tuple[Any, Any]:
+    """Two schedulers of one model and settings, speculation off and on. Reused across runs: a
+    prefix-cache hit changes no bit either (tests/test_prefix_cache_bitwise.py)."""
     kw = {"max_total_tokens": 4096, "quantization": "q8_0", **server}
-    sched = make_scheduler(model_dir, **kw, **(SPEC if spec else {}))
-    return run_to_completion(sched, reqs), sched
+    return make_scheduler(model_dir, **kw), make_scheduler(model_dir, **kw, **SPEC)
 
 
-def _same(a: dict, b: dict) -> None:
+@pytest.fixture(scope="module")
+def pairs(tiny_model_dirs) -> Any:
+    made: dict[tuple, tuple[Any, Any]] = {}
+
+    def get(arch: str, **server: Any) -> tuple[Any, Any]:
+        key = (arch, tuple(sorted(server.items())))
+        if key not in made:
+            made[key] = _pair(tiny_model_dirs[arch], **server)
+        return made[key]
+    return get
+
+
+def _compare(pair: tuple[Any, Any], reqs: Any) -> Any:
+    """Run the same requests through both; their outputs must be bitwise equal. -> the spec one."""
+    off, on = pair
+    before = on.speculator.stats.verify_passes
+    a, b = run_to_completion(off, reqs()), run_to_completion(on, reqs())
     assert a.keys() == b.keys()
     for rid in a:
         assert b[rid].output_ids == a[rid].output_ids, rid
         assert b[rid].logprobs == a[rid].logprobs, rid  # bitwise: float equality
         assert b[rid].finish_reason == a[rid].finish_reason, rid
+    return b, on.speculator.stats.verify_passes - before
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.6, "top_p": 0.9, "seed": 3}],
                          ids=["greedy", "seeded"])
-def test_spec_on_gives_the_bits_of_spec_off(arch: str, sampling: dict, tiny_model_dirs) -> None:
+def test_spec_on_gives_the_bits_of_spec_off(arch: str, sampling: dict, pairs) -> None:
     reqs = lambda: [greedy_req(f"r{i}", p, 40, return_logprob=True, top_logprobs_num=3, **sampling)  # noqa: E731
                     for i, p in enumerate(_prompts(4, seed=1))]
-    off, _ = _run(tiny_model_dirs[arch], reqs(), spec=False)
-    on, sched = _run(tiny_model_dirs[arch], reqs(), spec=True)
-    _same(off, on)
-    assert sched.speculator.stats.verify_passes > 0  # drafts were made and verified
+    _, verified = _compare(pairs(arch), reqs)
+    assert verified > 0  # drafts were made and verified
 
 
-@pytest.mark.parametrize("case", ["stops", "penalties", "grammar", "chunked", "prefix_hit",
-                                  "retraction", "mixed"])
-def test_features_behave_as_without_speculation(case: str, tiny_model_dirs) -> None:
+SERVER_CASES = {
+    "chunked": {"chunked_prefill_size": 8},
+    "retraction": {"max_total_tokens": 160, "new_token_ratio": 0.05},  # admits what will not fit
+    "mixed": {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
+}
+
+
+@pytest.mark.parametrize("case", ["stops", "penalties", "grammar", "prefix_hit", *SERVER_CASES])
+def test_features_behave_as_without_speculation(case: str, pairs) -> None:
     prompts = _prompts(4, seed=2)  # at most SPEC_MAX_BATCH: every decode batch may draft
-    server: dict[str, Any] = {}
     per_req: dict[str, Any] = {}
     if case == "stops":  # stop ids, min_new_tokens and max_new_tokens cut runs short
         per_req = {"stop_token_ids": [17, 42, 99], "min_new_tokens": 3, "ignore_eos": False}
     elif case == "penalties":
         per_req = {"frequency_penalty": 0.5, "repetition_penalty": 1.2}
-    elif case == "chunked":
-        server = {"chunked_prefill_size": 8}
-    elif case == "retraction":
-        server = {"max_total_tokens": 160, "new_token_ratio": 0.05}  # admits what will not fit
-    elif case == "mixed":
-        server = {"enable_mixed_chunk": True, "chunked_prefill_size": 16}
-    if case == "grammar":
+    elif case == "grammar":
         from lockstep.constrained.constraint import constraint_from_fields
         per_req = {"constraint": constraint_from_fields(r"(ab|cd){3,12}", None, None)}
 
@@ -83,13 +98,12 @@ def test_features_behave_as_without_speculation(case: str, tiny_model_dirs) -> N
                                  for i, p in enumerate(prompts)]}
         return out
 
-    off, _ = _run(tiny_model_dirs["llama"], reqs(), spec=False, **server)
-    on, sched = _run(tiny_model_dirs["llama"], reqs(), spec=True, **server)
-    _same(off, on)
+    pair = pairs("llama", **SERVER_CASES.get(case, {}))
+    on, verified = _compare(pair, reqs)
     if case not in ("penalties", "grammar"):  # those requests do not draft
-        assert sched.speculator.stats.verify_passes > 0
+        assert verified > 0
     if case == "retraction":
-        assert sched.stats.retractions > 0
+        assert pair[1].stats.retractions > 0
     if case == "prefix_hit":
         assert all(on[f"again{i}"].cached_tokens > 0 for i in range(len(prompts)))
 
@@ -108,26 +122,23 @@ def test_the_real_model_copies_faster_with_the_same_bits(sampling: dict) -> None
               "<start_of_turn>model\n").input_ids
     req = lambda **kw: greedy_req("r", ids, 80, return_logprob=True, top_logprobs_num=2,  # noqa: E731
                                   **sampling, **kw)
-    off = run_to_completion(make_scheduler(None, max_total_tokens=4096), [req()])
-    sched = make_scheduler(None, max_total_tokens=4096, **SPEC)
-    on = run_to_completion(sched, [req()])
-    _same(off, on)
-    assert sched.speculator.stats.accepted_tokens > 10
+    pair = (make_scheduler(None, max_total_tokens=4096),
+            make_scheduler(None, max_total_tokens=4096, **SPEC))
+    off, _ = _compare(pair, lambda: [req()])
+    assert pair[1].speculator.stats.accepted_tokens > 10
     # A stop string inside an accepted run ends the request at the same token as without.
     text = tok.decode(off["r"].output_ids[20:30])
     stop = text.strip().split(" ")[0] if text.strip() else text
-    with_stop = {"stop": [stop], "skip_special_tokens": True}
-    off = run_to_completion(make_scheduler(None, max_total_tokens=4096), [req(**with_stop)])
-    on = run_to_completion(make_scheduler(None, max_total_tokens=4096, **SPEC), [req(**with_stop)])
-    _same(off, on)
+    on, _ = _compare(pair, lambda: [req(stop=[stop])])
     assert isinstance(on["r"].finish_reason, FINISH_MATCHED_STR)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}], ids=["tp2", "pp2"])
-def test_ranks_draft_alike_under_tp_and_pp(layout: dict, tiny_model_dirs) -> None:
+def test_ranks_draft_alike_under_tp_and_pp(layout: dict, tiny_model_dirs, pairs) -> None:
     model_dir = tiny_model_dirs["llama"]
     prompts = _prompts(4, seed=5)
-    off, _ = _run(model_dir, [greedy_req(f"r{i}", p, 24) for i, p in enumerate(prompts)], spec=False)
+    off = run_to_completion(pairs("llama")[0], [greedy_req(f"r{i}", p, 24) for i, p in enumerate(prompts)])
     args = ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=4096,
                       quantization="q8_0", enable_lockstep_check=1, **layout, **SPEC)
     launched = launch_subprocesses(args)

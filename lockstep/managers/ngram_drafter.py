@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,9 @@ class DraftState:
     pause: int = 0  # decode steps left without drafting
     backoff: int = 1
     verify_ct: int = 0  # verify passes with a draft (SGLang's spec_verify_ct)
-    accepted: int = 0  # draft tokens accepted over them
-    misses: int = field(default=0, repr=False)
+    drafted: int = 0  # draft tokens over them
+    accepted: int = 0  # ... and how many were accepted
+    misses: int = 0  # verify passes in a row that accepted nothing
 
 
 class NgramDrafter:
@@ -124,6 +125,7 @@ class NgramDrafter:
     def observe(self, state: DraftState, drafted: int, accepted: int) -> None:
         """How much of a verified draft was accepted."""
         state.verify_ct += 1
+        state.drafted += drafted
         state.accepted += accepted
         if accepted == drafted:
             state.length = min(self.cfg.max_draft, 2 * state.length)

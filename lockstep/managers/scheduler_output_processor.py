@@ -134,11 +134,11 @@ class SchedulerOutputProcessorMixin:
         if self.chunked_req is req:
             self.chunked_req = None
         self._release(req)
-        if self.speculator is not None:
-            self.speculator.finished(req)
         req.finish_reason = reason
         req.phase = ReqPhase.FINISHED
         self._emit(req)
+        if self.speculator is not None:
+            self.speculator.finished(req)
 
     def _emit(self, req: Req) -> None:
         new = req.output_ids[req.sent_len:]
@@ -152,6 +152,7 @@ class SchedulerOutputProcessorMixin:
             input_token_logprobs=req.in_logprobs, input_top_logprobs=req.in_top_logprobs,
             dp_rank=self.dp_rank, text_limit=req.stops.text_limit(req.finished) if req.stops else None,
             decode_options=(p.skip_special_tokens, p.spaces_between_special_tokens),
+            spec=req.spec and (req.spec.verify_ct, req.spec.drafted, req.spec.accepted),
         ))
         req.out_logprobs, req.out_top_logprobs, req.in_logprobs, req.in_top_logprobs = [], [], [], []
 

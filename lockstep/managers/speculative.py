@@ -80,4 +80,3 @@ class Speculator:
     def finished(self, req: Req) -> None:
         if req.output_ids:
             self.drafter.finished(req.fill_ids)
-        req.draft, req.spec = [], None
