@@ -93,6 +93,7 @@ class GenerateOutput:
     finish_reason: BaseFinishReason | None
     e2e_latency: float
     dp_rank: int | None = None  # with --dp-size > 1
+    spec: tuple[int, int, int] | None = None  # with speculative decoding: passes, drafted, accepted
     # With return_logprob (the top lists also with top_logprobs_num):
     output_token_logprobs: list[TokenLogprob] | None = None
     input_token_logprobs: list[TokenLogprob] | None = None
@@ -109,6 +110,12 @@ class GenerateOutput:
         }
         if self.dp_rank is not None:
             meta["dp_rank"] = self.dp_rank
+        if self.spec is not None:  # SGLang's names
+            passes, drafted, accepted = self.spec
+            meta.update(spec_verify_ct=passes, spec_draft_token_num=drafted,
+                        spec_accept_token_num=accepted,
+                        spec_accept_rate=accepted / drafted if drafted else 0.0,
+                        spec_accept_length=(passes + accepted) / passes if passes else 1.0)
         for name in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs",
                      "input_top_logprobs"):
             if getattr(self, name) is not None:
@@ -253,7 +260,7 @@ class TokenizerManager:
             state.rid, state.text, list(state.output_ids), out.text_delta,
             list(out.new_token_ids), out.prompt_tokens, out.completion_tokens, out.cached_tokens,
             out.finish_reason, now - state.created,
-            dp_rank=out.dp_rank if self.args.dp_size > 1 else None)
+            dp_rank=out.dp_rank if self.args.dp_size > 1 else None, spec=out.spec)
         if req.return_logprob:
             text = req.return_text_in_logprobs
             state.output_token_logprobs.extend(self._with_text(out.output_token_logprobs, text))
