@@ -399,6 +399,30 @@ def readme_examples() -> list[tuple[str, str]]:
     return runnable
 
 
+def json_documents(text: str) -> list[dict]:
+    """The JSON documents one after another in `text` (a block of several curls prints several)."""
+    decoder, docs, at = json.JSONDecoder(), [], 0
+    while at < len(text.rstrip()):
+        doc, end = decoder.raw_decode(text, at)
+        docs.append(doc)
+        at = end + len(text[end:]) - len(text[end:].lstrip())
+    return docs
+
+
+def check_readme_answer(out: dict, code: str) -> None:
+    """What each route the README calls must answer."""
+    if "tokens" in out:                                # /tokenize
+        assert out["count"] == len(out["tokens"]) > 0 and out["max_model_len"] > 0, out
+    elif "choices" in out:                             # /v1/chat/completions
+        assert out["choices"][0]["finish_reason"] in {"stop", "length"}, out
+    elif "meta_info" in out:                           # /generate
+        assert out["text"] and out["meta_info"]["finish_reason"], out
+        if '"regex"' in code:
+            assert re.fullmatch(DATE, out["text"]), out["text"]
+    else:                                              # /detokenize
+        assert out == {"text": "Hello world"}, out
+
+
 @pytest.mark.parametrize("index", range(len(readme_examples())))
 def test_readme_example_runs(real_server, index, tmp_path):
     import subprocess
@@ -407,7 +431,7 @@ def test_readme_example_runs(real_server, index, tmp_path):
     lang, code = readme_examples()[index]
     code = code.replace(README_URL, real_server.url)
     if lang == "bash":
-        cmd = ["bash", "-euo", "pipefail", "-c", code.replace("curl ", "curl -sS --fail-with-body ", 1)]
+        cmd = ["bash", "-euo", "pipefail", "-c", code.replace("curl ", "curl -sS --fail-with-body ")]
     else:
         script = tmp_path / "example.py"
         script.write_text(code)
@@ -415,10 +439,10 @@ def test_readme_example_runs(real_server, index, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, f"{code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     if lang == "bash":
-        out = json.loads(done.stdout)
-        assert out["text"] and out["meta_info"]["finish_reason"]
-        if '"regex"' in code:
-            assert re.fullmatch(DATE, out["text"]), out["text"]
+        docs = json_documents(done.stdout)
+        assert len(docs) == code.count("curl "), done.stdout
+        for out in docs:
+            check_readme_answer(out, code)
     elif "print(" in code:
         assert done.stdout.strip(), code
 
