@@ -7,6 +7,7 @@
 #       ngram-cache, as `llama-server --help` lists them) | llama-cpp-python
 # WORKLOAD: wbatch wsingle wprefill wprefix scale (default: all five)
 #   also: wedit (issue 22's W-edit: repeat or lightly edit a passage; where speculation pays)
+# llama-server: -c 98304 -np 32 gives each of its 32 slots 3,072 tokens of context (W-prefill needs 2,056).
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
 # a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
 # Results: JSON lines appended to $OUT, tagged "KIND|WORKLOAD|ROUND"; server logs in $LOGDIR.
@@ -27,8 +28,8 @@ case $KIND in
   lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --dtype bfloat16); BACKEND=lockstep ;;
   lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache); BACKEND=lockstep ;;
   lockstep-spec) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --speculative-algorithm NGRAM); BACKEND=lockstep ;;
-  llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 49152 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
-  llama-server-*) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 49152 -np 32 -cb --port "$PORT"
+  llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 98304 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
+  llama-server-*) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 98304 -np 32 -cb --port "$PORT"
                        --spec-type "${KIND#llama-server-}"); BACKEND=openai ;;
   llama-cpp-python) CMD=("${LLAMA_CPP_PYTHON:?set LLAMA_CPP_PYTHON}" -m llama_cpp.server --model "$GGUF"
                          --n_threads 2 --interrupt_requests False --logits_all False --n_ctx 4096 --port "$PORT")
