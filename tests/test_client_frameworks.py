@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, Field
-from tokenizers import Tokenizer
+from transformers import AutoTokenizer
 
 from lockstep.constrained.backend import GrammarBackend
 from lockstep.constrained.constraint import json_schema_constraint
@@ -31,13 +31,12 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def admits():
-    tok_file = tiny_tokenizer_dir() / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tok_file))
-    backend = GrammarBackend(tok_file, TOKENIZER_VOCAB_SIZE, [EOS_ID])
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir()))
+    backend = GrammarBackend(tokenizer, TOKENIZER_VOCAB_SIZE, [EOS_ID])
 
     def check(schema: dict[str, Any], text: str) -> bool:
         m = backend.matcher(json_schema_constraint(schema))
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        ids = tokenizer.encode(text, add_special_tokens=False)
         return all(m.accept(i) for i in ids) and m.accept(EOS_ID)
 
     return check

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+from typing import Any
 
 import llguidance
+import llguidance.hf
 import torch
 
 from lockstep.constrained.constraint import (
@@ -66,11 +67,14 @@ class GrammarMatcher:
 
 
 class GrammarBackend:
-    """Compiles constraints against one tokenizer, caches them, hands out matchers."""
+    """Compiles constraints against one tokenizer, caches them, hands out matchers.
 
-    def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_token_ids: Iterable[int],
+    `hf_tokenizer` is the fast HF tokenizer the rank already holds for stop strings: the
+    grammar's vocabulary is read from it rather than loading tokenizer.json a second time."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  num_threads: int = 1) -> None:
-        self.tokenizer_file = Path(tokenizer_file)
+        self.hf_tokenizer = hf_tokenizer
         self.model_vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.num_threads = max(1, num_threads)
@@ -83,10 +87,10 @@ class GrammarBackend:
         # Built on the first constrained request: it takes seconds on a 262k vocabulary, and a
         # server that never sees a constraint should not pay for it at start.
         if self._tokenizer is None:
-            text = self.tokenizer_file.read_text(encoding="utf-8")
-            size = self._tokenizer_size(text)
-            self._tokenizer = llguidance.LLTokenizer(
-                text, n_vocab=max(size, self.model_vocab_size), eos_token=self.eos_token_ids or None)
+            size = self.hf_tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self.hf_tokenizer, n_vocab=max(size, self.model_vocab_size),
+                eos_token=self.eos_token_ids or None)
         return self._tokenizer
 
     @property
@@ -122,20 +126,15 @@ class GrammarBackend:
                 mask.shape[1] * mask.element_size(), mask.shape[0])
         return mask
 
-    @staticmethod
-    def _tokenizer_size(text: str) -> int:
-        from tokenizers import Tokenizer
 
-        return Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True)
-
-
-def grammar_backend_for(tokenizer_dir: str | Path, vocab_size: int,
+def grammar_backend_for(hf_tokenizer: Any, vocab_size: int,
                         eos_token_ids: Iterable[int]) -> GrammarBackend | None:
-    """The backend of a scheduler rank; None when the tokenizer has no tokenizer.json."""
-    tok_file = Path(tokenizer_dir) / "tokenizer.json"
-    if not tok_file.exists():
+    """The backend of a scheduler rank; None when the tokenizer is not a fast (tokenizer.json)
+    one: llguidance reads the Rust tokenizer."""
+    if not getattr(hf_tokenizer, "is_fast", False):
         return None
-    return GrammarBackend(tok_file, vocab_size, eos_token_ids, num_threads=torch.get_num_threads())
+    return GrammarBackend(hf_tokenizer, vocab_size, eos_token_ids,
+                          num_threads=torch.get_num_threads())
 
 
 def request_matcher(backend: GrammarBackend | None,

@@ -80,7 +80,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.eos_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer  # decodes the output of requests with stop strings
         # Only ranks that sample compute grammar masks; every rank advances the matchers alike.
-        self.grammar = grammar  # None: the model has no tokenizer.json to compile against
+        self.grammar = grammar  # None: the tokenizer is not a fast one to compile against
         self._fill_masks = grammar.fill_masks if grammar and runner.pp.is_last else None
         self.strict_integrity = strict_integrity
         self.waiting: list[Req] = []
@@ -368,7 +368,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self._sync()
         if not self.running:
             return None
-        loc = self.speculator and self.speculator.draft(self.running, self.max_req_len, self._alloc)
+        loc = None
+        if self.speculator is not None:
+            loc = self.speculator.draft(self.running, self.max_req_len, self._alloc)
         if loc is None:  # drafts never retract anyone: no draft got KV, or none was made
             loc = self._alloc_retracting(lambda: len(self.running))
         if loc is None or not self.running:
@@ -480,7 +482,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     from lockstep.model_loader.stop_tokens import stop_token_ids
 
     source = resolve_model(args.model_path)
-    tokenizer = ThreadPoolExecutor(1).submit(load_tokenizer, args)  # stop strings; as weights load
+    tokenizer = ThreadPoolExecutor(1).submit(load_tokenizer, args)  # stop strings, grammar
     model_cfg = ModelConfig.from_hf(source.hf_config)
     runner_cfg = RunnerConfig(
         device=args.device, dtype=resolve_dtype(args.dtype, args.device),
@@ -493,6 +495,6 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
     worker = TpModelWorker(runner, args.micro_batches)
     eos = stop_token_ids(source.model_dir, model_cfg.eos_token_ids)
-    grammar = grammar_backend_for(args.tokenizer_path or source.model_dir, model_cfg.vocab_size, eos)
+    grammar = grammar_backend_for(tokenizer.result(), model_cfg.vocab_size, eos)
     return Scheduler(args, worker, eos, strict_integrity, grammar, tokenizer.result())
 
