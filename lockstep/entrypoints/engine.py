@@ -300,8 +300,8 @@ class Engine:
         def fail_pending() -> None:
             for state in list(tm.states.values()):
                 state.queue.put_nowait(ReqOutput(
-                    state.rid, [], FINISH_ABORT(f"engine died: {message}"),
-                    len(state.prompt_ids), len(state.output_ids), 0))
+                    state.out.rid, [], FINISH_ABORT(f"engine died: {message}"),
+                    state.out.prompt_tokens, len(state.out.output_ids), 0))
 
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fail_pending)

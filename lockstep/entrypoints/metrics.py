@@ -81,7 +81,7 @@ class Metrics:
             "sglang:num_queue_reqs": ("The number of requests in the waiting queue.", lambda: sum(
                 s.first_token_time is None for s in states())),
             "sglang:token_usage": ("The token usage.", lambda: min(
-                1.0, sum(len(s.prompt_ids) + len(s.output_ids) for s in states())
+                1.0, sum(s.out.prompt_tokens + len(s.out.output_ids) for s in states())
                 / max(1, tm.max_total_num_tokens))),
             "sglang:cache_hit_rate": ("The prefix cache hit rate.",
                                       lambda: self._cached_total / max(1, self._prompt_total)),

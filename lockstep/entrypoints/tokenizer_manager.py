@@ -59,25 +59,6 @@ TOKENIZE_OFF_LOOP_CHARS = 16_384
 
 
 @dataclass
-class ReqState:
-    rid: str
-    prompt_ids: list[int]
-    stream: bool = False  # labels the metrics as SGLang's do
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    created: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    last_token_time: float | None = None  # of the last output that carried tokens
-    outputs_seen: int = 0
-    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
-    input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
-    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    input_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
-
-
-@dataclass
 class GenerateOutput:
     """One output of a request: everything so far (`text`, `output_ids`, the logprob lists,
     which are the request's own and keep growing) and what this output added."""
@@ -121,6 +102,21 @@ class GenerateOutput:
             if getattr(self, name) is not None:
                 meta[name] = getattr(self, name)
         return meta
+
+
+@dataclass
+class ReqState:
+    """What the front keeps per request: `out`, its output so far (the text, ids and logprob
+    lists grow in place; each output yielded is a copy of it), and what the metrics time."""
+
+    out: GenerateOutput
+    stream: bool = False  # labels the metrics as SGLang's do
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    created: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None  # of the last output that carried tokens
+    outputs_seen: int = 0
 
 
 class TokenizerManager:
@@ -227,7 +223,12 @@ class TokenizerManager:
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in use")
-        state = ReqState(rid, ids, req.stream)
+        lp, top = req.return_logprob, bool(req.return_logprob and req.top_logprobs_num)
+        state = ReqState(GenerateOutput(
+            rid, "", [], "", [], len(ids), 0, 0, None, 0.0,
+            output_token_logprobs=[] if lp else None, input_token_logprobs=[] if lp else None,
+            output_top_logprobs=[] if top else None, input_top_logprobs=[] if top else None),
+            req.stream)
         self.states[rid] = state
         self.start()
         await self.to_scheduler.send(encode(dataclasses.replace(
@@ -253,28 +254,23 @@ class TokenizerManager:
             if state.first_token_time is None:
                 state.first_token_time = now
             state.last_token_time = now
-        state.text += out.text_delta
-        state.output_ids.extend(out.new_token_ids)
+        acc, text = state.out, req.return_text_in_logprobs
+        acc.text += out.text_delta
+        acc.output_ids.extend(out.new_token_ids)
         state.finished = out.finish_reason is not None
-        result = GenerateOutput(
-            state.rid, state.text, list(state.output_ids), out.text_delta,
-            list(out.new_token_ids), out.prompt_tokens, out.completion_tokens, out.cached_tokens,
-            out.finish_reason, now - state.created,
+        if acc.output_token_logprobs is not None:
+            acc.output_token_logprobs.extend(self._with_text(out.output_token_logprobs, text))
+            acc.input_token_logprobs.extend(self._with_text(out.input_token_logprobs, text))
+        if acc.output_top_logprobs is not None:
+            acc.output_top_logprobs.extend(self._with_text(t, text) for t in out.output_top_logprobs)
+            acc.input_top_logprobs.extend(
+                self._with_text(t, text) if t else None for t in out.input_top_logprobs)
+        return dataclasses.replace(
+            acc, output_ids=list(acc.output_ids), text_delta=out.text_delta,
+            new_token_ids=list(out.new_token_ids), prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+            finish_reason=out.finish_reason, e2e_latency=now - state.created,
             dp_rank=out.dp_rank if self.args.dp_size > 1 else None, spec=out.spec)
-        if req.return_logprob:
-            text = req.return_text_in_logprobs
-            state.output_token_logprobs.extend(self._with_text(out.output_token_logprobs, text))
-            state.input_token_logprobs.extend(self._with_text(out.input_token_logprobs, text))
-            result.output_token_logprobs = state.output_token_logprobs
-            result.input_token_logprobs = state.input_token_logprobs
-            if req.top_logprobs_num:
-                state.output_top_logprobs.extend(
-                    self._with_text(t, text) for t in out.output_top_logprobs)
-                state.input_top_logprobs.extend(
-                    self._with_text(t, text) if t else None for t in out.input_top_logprobs)
-                result.output_top_logprobs = state.output_top_logprobs
-                result.input_top_logprobs = state.input_top_logprobs
-        return result
 
     def _with_text(self, entries: list[TokenLogprob], text: bool) -> list[TokenLogprob]:
         if not text:
