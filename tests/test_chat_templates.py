@@ -31,9 +31,15 @@ CONVERSATION = [
 ]
 
 
+def _builtin(name: str, messages: list[dict] = CONVERSATION, bos: str | None = None,
+             **kw: Any) -> str:
+    """A built-in template rendered with the tiny tokenizer, its bos_token replaced by `bos`."""
+    extra = {"bos_token": bos} if bos else None
+    return render_chat(_tok(), BUILTIN_CHAT_TEMPLATES[name], messages, extra_context=extra, **kw)
+
+
 def test_gemma_matches_official_gemma3_format():
-    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["gemma"], CONVERSATION,
-                      extra_context={"bos_token": "<bos>"})
+    out = _builtin("gemma", bos="<bos>")
     assert out == (
         "<bos><start_of_turn>user\nYou are terse.\n\nHi there<end_of_turn>\n"
         "<start_of_turn>model\nHello!<end_of_turn>\n"
@@ -43,26 +49,18 @@ def test_gemma_matches_official_gemma3_format():
 
 
 def test_gemma_without_system_and_without_generation_prompt():
-    out = render_chat(_tok(),
-        BUILTIN_CHAT_TEMPLATES["gemma"],
-        [{"role": "user", "content": "Hi"}],
-        extra_context={"bos_token": "<bos>"},
-        add_generation_prompt=False,
-    )
+    out = _builtin("gemma", [{"role": "user", "content": "Hi"}], "<bos>",
+                   add_generation_prompt=False)
     assert out == "<bos><start_of_turn>user\nHi<end_of_turn>\n"
 
 
 def test_gemma_rejects_non_alternating_roles():
     with pytest.raises(ChatTemplateError, match="alternate"):
-        render_chat(_tok(),
-            BUILTIN_CHAT_TEMPLATES["gemma"],
-            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
-        )
+        _builtin("gemma", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
 
 
 def test_llama3_matches_official_format():
-    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["llama3"], CONVERSATION,
-                      extra_context={"bos_token": "<|begin_of_text|>"})
+    out = _builtin("llama3", bos="<|begin_of_text|>")
     assert out == (
         "<|begin_of_text|>"
         "<|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
@@ -74,7 +72,7 @@ def test_llama3_matches_official_format():
 
 
 def test_chatml_matches_qwen_format():
-    out = render_chat(_tok(), BUILTIN_CHAT_TEMPLATES["chatml"], CONVERSATION)
+    out = _builtin("chatml")
     assert out == (
         "<|im_start|>system\nYou are terse.<|im_end|>\n"
         "<|im_start|>user\nHi there <|im_end|>\n"

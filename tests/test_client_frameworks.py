@@ -172,15 +172,10 @@ def frameworks_python(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.real_model
 def test_instructor_and_langchain_get_validated_objects(real_server, frameworks_python, tmp_path):
-    import subprocess
+    from lockstep.testing.client_venv import run_client
 
-    script = tmp_path / "frameworks.py"
-    script.write_text(FRAMEWORK_PROGRAM)
-    done = subprocess.run([frameworks_python, str(script), real_server.url], capture_output=True,
-                          text=True, timeout=900, cwd=tmp_path)
     # instructor raises IncompleteOutputException on a reply cut off by max_tokens
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_client(frameworks_python, FRAMEWORK_PROGRAM, real_server.url, tmp_path)
     for key in ("JSON_SCHEMA", "TOOLS", "structured"):
         assert set(out[key]) == {"name", "country"} and out[key]["name"], out
     [args] = out["bind_tools"]

@@ -9,7 +9,6 @@ when pip cannot reach the package index."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv
+from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv, run_client
 
 pytestmark = pytest.mark.real_model
 
@@ -63,12 +62,7 @@ def sglang_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sglang_program_runs_unchanged(real_server, sglang_python, tmp_path):
-    script = tmp_path / "quiz.py"
-    script.write_text(PROGRAM)
-    done = subprocess.run([sglang_python, str(script), real_server.url], capture_output=True,
-                          text=True, timeout=900, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    state = json.loads(done.stdout.strip().splitlines()[-1])
+    state = run_client(sglang_python, PROGRAM, real_server.url, tmp_path)
 
     # gen(stop="\n") is the native API's greedy text cut at the stop string.
     plain = requests.post(real_server.url + "/generate", json={

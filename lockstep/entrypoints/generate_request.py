@@ -64,21 +64,13 @@ def _bool_or_list(v: Any) -> str:
     return "list" if isinstance(v, list) else "bool"
 
 
-TextInput = shaped(
-    {"str": str, "list": Annotated[list[str], Field(min_length=1)]},
-    str_or_list,
-    "a string or a non-empty list of strings",
-)
-IdsInput = shaped(
-    {
-        "list": Annotated[list[TokenId], Field(min_length=1)],
-        "list[list]": Annotated[
-            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)
-        ],
-    },
-    _ids_shape,
-    "a list of token ids or a list of lists of token ids",
-)
+# The non-empty lists a prompt can be (here and in the OpenAI routes' models).
+Texts = Annotated[list[str], Field(min_length=1)]
+Ids = Annotated[list[TokenId], Field(min_length=1)]
+IdLists = Annotated[list[Ids], Field(min_length=1)]
+TextInput = shaped({"str": str, "list": Texts}, str_or_list, "a string or a non-empty list of strings")
+IdsInput = shaped({"list": Ids, "list[list]": IdLists}, _ids_shape,
+                  "a list of token ids or a list of lists of token ids")
 RidInput = shaped(
     {"str": NonEmptyStr, "list": list[NonEmptyStr]}, str_or_list, "a string or a list of strings"
 )

@@ -10,6 +10,7 @@ be installed twice (a second, CUDA build)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import sysconfig
 import venv
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # pip's words when the package index cannot be reached (the caller may skip, saying so).
 _NO_INDEX = ("Could not find a version", "No matching distribution", "Failed to establish",
@@ -52,3 +54,14 @@ def client_venv(root: Path, requirements: Sequence[str], *, no_deps: bool = Fals
         raise RuntimeError(f"pip install {requirements} failed:\n{done.stderr[-3000:]}")
     ready.write_text("\n".join(requirements) + "\n")
     return python
+
+
+def run_client(python: Path, program: str, url: str, cwd: Path, timeout: float = 900) -> Any:
+    """Run `program` (a script that takes the server's URL) with the venv's `python`; it must
+    succeed, and its last line of output is JSON: the parsed value."""
+    script = cwd / "client_program.py"
+    script.write_text(program)
+    done = subprocess.run([python, str(script), url], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

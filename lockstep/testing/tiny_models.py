@@ -216,23 +216,13 @@ def _base_config(arch: str) -> dict[str, Any]:
                 "original_max_position_embeddings": 64,
             },
         )
+    qwen_rope = {"rope_type": "default", "rope_theta": 1000000.0}
     if arch == "qwen2":
         # Qwen2 always has q/k/v biases; head_dim is hidden_size // num_attention_heads.
-        return dict(
-            common,
-            model_type="qwen2",
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        )
+        return dict(common, model_type="qwen2", tie_word_embeddings=True, rope_parameters=qwen_rope)
     if arch == "qwen3":
-        return dict(
-            common,
-            model_type="qwen3",
-            head_dim=HEAD_DIM,
-            tie_word_embeddings=False,
-            attention_bias=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        )
+        return dict(common, model_type="qwen3", head_dim=HEAD_DIM, tie_word_embeddings=False,
+                    attention_bias=False, rope_parameters=qwen_rope)
     if arch == "gemma3":
         return dict(
             common,

@@ -36,7 +36,14 @@ from lockstep.core import (
     TopK,
     TopP,
 )
-from lockstep.entrypoints.generate_request import StrictModel, shaped, str_or_list
+from lockstep.entrypoints.generate_request import (
+    IdLists,
+    Ids,
+    StrictModel,
+    Texts,
+    shaped,
+    str_or_list,
+)
 from lockstep.entrypoints.sglang_fields import CHAT, COMPLETIONS
 from lockstep.entrypoints.tokenizer_manager import RequestError
 
@@ -55,14 +62,7 @@ def _prompt_shape(v: Any) -> str | None:
 
 
 PromptInput = shaped(
-    {
-        "str": str,
-        "list[str]": Annotated[list[str], Field(min_length=1)],
-        "list[int]": Annotated[list[TokenId], Field(min_length=1)],
-        "list[list]": Annotated[
-            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)
-        ],
-    },
+    {"str": str, "list[str]": Texts, "list[int]": Ids, "list[list]": IdLists},
     _prompt_shape,
     "a string, a list of strings, a list of token ids or a list of lists of token ids",
 )
