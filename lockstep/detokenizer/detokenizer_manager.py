@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
-import sys
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -14,10 +11,8 @@ import zmq
 from lockstep.detokenizer.incremental_detokenizer import IncrementalDetokenizer, load_tokenizer
 from lockstep.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, decode, encode
 from lockstep.server_args import PortArgs, ServerArgs
-from lockstep.utils.process import configure_logging, die_with_parent, set_title
+from lockstep.utils.process import exit_on_error, start_child
 from lockstep.utils.watchdog import ForwardProgressWatchdog
-
-logger = logging.getLogger(__name__)
 
 
 class DetokenizerManager:
@@ -45,29 +40,20 @@ class DetokenizerManager:
 
 
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, pipe: Connection) -> None:
-    die_with_parent()
-    set_title("lockstep::detokenizer")
-    configure_logging(args.log_level, "detokenizer")
-    try:
+    start_child("detokenizer", args.log_level, "detokenizer")
+    with exit_on_error("detokenizer", pipe):
         manager = DetokenizerManager(load_tokenizer(args))
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.bind(ports.detokenizer_ipc)
         send = ctx.socket(zmq.PUSH)
         send.connect(ports.tokenizer_ipc)
-    except Exception as e:  # noqa: BLE001
-        logger.error("detokenizer failed to start:\n%s", traceback.format_exc())
-        pipe.send({"status": "error", "message": f"detokenizer: {type(e).__name__}: {e}"})
-        sys.exit(1)
     pipe.send({"status": "ready"})
     # Stuck in one message for --watchdog-timeout s: the stacks go to the log, the server down.
     watchdog = ForwardProgressWatchdog(args.watchdog_timeout, "detokenizer").start()
-    try:
+    with exit_on_error("detokenizer"):
         while True:
             msg = decode(recv.recv())
             watchdog.step_begins(True)
             send.send(encode(manager.handle(msg) if isinstance(msg, BatchTokenIDOut) else msg))
             watchdog.step_done(False)
-    except Exception:  # noqa: BLE001
-        logger.error("detokenizer crashed:\n%s", traceback.format_exc())
-        sys.exit(1)

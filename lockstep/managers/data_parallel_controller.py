@@ -5,8 +5,6 @@ replicas report their load back, so dispatch follows real queues rather than gue
 from __future__ import annotations
 
 import logging
-import sys
-import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import takewhile
@@ -25,7 +23,7 @@ from lockstep.messages import (
 )
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.cache_aware import CacheAwareRule
-from lockstep.utils.process import configure_logging, die_with_parent, set_title
+from lockstep.utils.process import exit_on_error, start_child
 from lockstep.utils.watchdog import ForwardProgressWatchdog
 
 logger = logging.getLogger(__name__)
@@ -110,10 +108,8 @@ class Dispatcher:
 
 def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inputs: list[str],
                                  pipe: Connection) -> None:
-    die_with_parent()
-    set_title("lockstep::data_parallel_controller")
-    configure_logging(args.log_level, "DP")
-    try:
+    start_child("data_parallel_controller", args.log_level, "DP")
+    with exit_on_error("data-parallel controller", pipe):
         ctx = zmq.Context()
         inputs = ctx.socket(zmq.PULL)
         inputs.bind(ports.scheduler_input_ipc)
@@ -126,16 +122,13 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
             outs.append(s)
         dispatcher = Dispatcher(args.load_balance_method, args.dp_size, args.dp_cache_threshold,
                                 args.dp_balance_abs_threshold, args.dp_balance_rel_threshold)
-    except Exception as e:  # noqa: BLE001
-        pipe.send({"status": "error", "message": f"data-parallel controller: {e}"})
-        sys.exit(1)
     pipe.send({"status": "ready"})
     owner: OrderedDict[str, int] = OrderedDict()
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     poller.register(loads, zmq.POLLIN)
     watchdog = ForwardProgressWatchdog(args.watchdog_timeout, "data-parallel controller").start()
-    try:
+    with exit_on_error("data-parallel controller"):
         while True:
             ready = dict(poller.poll())
             watchdog.step_begins(True)
@@ -146,9 +139,6 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
             elif loads in ready:
                 _drain_reports(loads, dispatcher)
             watchdog.step_done(False)
-    except Exception:  # noqa: BLE001
-        logger.error("data-parallel controller crashed:\n%s", traceback.format_exc())
-        sys.exit(1)
 
 
 def _drain_reports(loads: zmq.Socket, dispatcher: Dispatcher) -> None:

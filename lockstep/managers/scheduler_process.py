@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing as mp
-import sys
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -27,7 +25,7 @@ from lockstep.managers.scheduler import Scheduler, create_scheduler
 from lockstep.messages import BatchTokenIDOut, LoadReport, decode, encode
 from lockstep.model_executor.weight_setup import weight_bytes
 from lockstep.server_args import PortArgs, ServerArgs
-from lockstep.utils.process import configure_logging, die_with_parent, set_title
+from lockstep.utils.process import exit_on_error, start_child
 from lockstep.utils.watchdog import ForwardProgressWatchdog
 
 logger = logging.getLogger(__name__)
@@ -40,13 +38,11 @@ class LockstepError(RuntimeError):
 
 def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_rank: int,
                           threads: int, pipe: Connection, dp_rank: int = 0) -> None:
-    die_with_parent()
     name = (f"DP{dp_rank} " if args.dp_size > 1 else "") + f"TP{tp_rank}" + (
         f" PP{pp_rank}" if args.pp_size > 1 else "")
-    set_title(f"lockstep::scheduler {name}")
-    configure_logging(args.log_level, name)
+    start_child(f"scheduler {name}", args.log_level, name)
     torch.set_num_threads(threads)
-    try:
+    with exit_on_error(f"scheduler TP{tp_rank}", pipe):
         world = args.tp_size * args.pp_size
         if world > 1:
             init_distributed(ports.dist_init_addr, world, pp_rank * args.tp_size + tp_rank, args.device)
@@ -67,20 +63,11 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
             if args.dp_size > 1:
                 load = ctx.socket(zmq.PUSH)
                 load.connect(ports.dp_load_ipc)
-    except Exception as e:  # noqa: BLE001 - any startup failure is reported to the launcher
-        logger.error("scheduler TP%d failed to start:\n%s", tp_rank, traceback.format_exc())
-        pipe.send({"status": "error", "message": f"scheduler TP{tp_rank}: {type(e).__name__}: {e}"})
-        sys.exit(1)
     pipe.send({"status": "ready", "max_total_num_tokens": sched.max_total_tokens,
                "context_len": sched.context_len, "tp_rank": tp_rank, "pp_rank": pp_rank,
                "param_bytes": weight_bytes(sched.worker.runner.model)})
-    try:
+    with exit_on_error(f"scheduler TP{tp_rank}"):
         event_loop(args, sched, world_group, recv, send, load)
-    except Exception:  # noqa: BLE001
-        logger.error("scheduler TP%d crashed:\n%s", tp_rank, traceback.format_exc())
-        # Exit non-zero: the launcher's child watch brings the whole server down. SGLang sends
-        # SIGQUIT to the parent instead, which would kill a user's process hosting an Engine.
-        sys.exit(1)
 
 
 def recv_requests(sock: zmq.Socket | None, block: bool) -> list[Any]:

@@ -1,11 +1,17 @@
-"""Process plumbing: free ports, parent-death signals, process titles, tree kills by PID."""
+"""Process plumbing: free ports, parent-death signals, process titles, tree kills by PID, and
+what every server child process does around its set-up and its main loop."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import signal
 import socket
+import sys
+import traceback
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
 
 import psutil
 import setproctitle
@@ -28,10 +34,6 @@ def die_with_parent() -> None:
         logger.warning("PR_SET_PDEATHSIG unavailable; children may outlive a killed parent")
 
 
-def set_title(title: str) -> None:
-    setproctitle.setproctitle(title)
-
-
 def kill_tree(pid: int, include_self: bool = True, sig: int = signal.SIGKILL) -> None:
     try:
         proc = psutil.Process(pid)
@@ -51,3 +53,27 @@ def configure_logging(level: str, prefix: str) -> None:
         format=f"[%(asctime)s {prefix}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S", force=True,
     )
+
+
+def start_child(title: str, log_level: str, log_prefix: str) -> None:
+    """A server child's first steps: die with the parent, show `lockstep::title`, log under
+    `log_prefix`."""
+    die_with_parent()
+    setproctitle.setproctitle(f"lockstep::{title}")
+    configure_logging(log_level, log_prefix)
+
+
+@contextlib.contextmanager
+def exit_on_error(what: str, pipe: Connection | None = None) -> Iterator[None]:
+    """Around a child's set-up (with the launcher's `pipe`, which is told why) or its main loop:
+    an exception is logged with its traceback and the process exits non-zero, so the launcher's
+    child watch brings the whole server down. SGLang sends SIGQUIT to the parent instead, which
+    would kill a user's process hosting an Engine."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - any failure is reported, never swallowed
+        logger.error("%s %s:\n%s", what, "failed to start" if pipe else "crashed",
+                     traceback.format_exc())
+        if pipe is not None:
+            pipe.send({"status": "error", "message": f"{what}: {type(e).__name__}: {e}"})
+        sys.exit(1)
