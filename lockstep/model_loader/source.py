@@ -128,7 +128,7 @@ def _load_converted(target: Path, origin: str, gguf_path: Path) -> ModelSource:
         raise ModelLoadError(f"{target / TENSOR_INDEX}: no tensors in the index")
     if index.get("gguf_size") != gguf_path.stat().st_size:
         raise ModelLoadError(f"{target / TENSOR_INDEX}: indexes a file of another size")
-    return _describe_dir(target, origin, (), gguf_path)
+    return load_hf_dir(target, origin, gguf_path)
 
 
 def _convert_into(path: Path, digest: str, target: Path) -> None:
@@ -213,22 +213,15 @@ def _read_head(path: Path, n: int) -> bytes:
 # --------------------------------------------------------------------------- HF directories
 
 
-def load_hf_dir(model_dir: Path, origin: str) -> ModelSource:
-    """Check an HF model directory and describe it; only headers are read, never tensor data."""
+def load_hf_dir(model_dir: Path, origin: str, gguf_file: Path | None = None) -> ModelSource:
+    """Check an HF model directory and describe it; only headers are read, never tensor data.
+    A GGUF's converted directory (`gguf_file`) has no weight files: they stay in the GGUF."""
     hf_config = _read_json(model_dir / "config.json", "model config")
     if not isinstance(hf_config, dict) or "model_type" not in hf_config:
         raise ModelLoadError(f"{model_dir / 'config.json'}: not an HF model config (no model_type)")
-    weight_files = _weight_files(model_dir)
+    weight_files = () if gguf_file is not None else _weight_files(model_dir)
     for f in weight_files:
         check_safetensors(f)
-    return _describe_dir(model_dir, origin, weight_files, None)
-
-
-def _describe_dir(model_dir: Path, origin: str, weight_files: tuple[Path, ...],
-                  gguf_file: Path | None) -> ModelSource:
-    hf_config = _read_json(model_dir / "config.json", "model config")
-    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
-        raise ModelLoadError(f"{model_dir / 'config.json'}: not an HF model config (no model_type)")
     if not _has_tokenizer(model_dir):
         raise ModelLoadError(
             f"{model_dir}: no tokenizer (expected tokenizer.json, tokenizer.model or vocab.json)"
