@@ -333,19 +333,14 @@ class OpenAIServing:
                 finish, matched = finish_of(item)
                 think = thinking[index]
                 if think is not None:  # the parser holds back what may be a marker
-                    reasoning, text = think.feed(text)
-                    if finish is not None:
-                        more_reasoning, more_text = think.finish()
-                        reasoning, text = reasoning + more_reasoning, text + more_text
+                    reasoning, text = _feed(think, text, finish is not None)
                     if reasoning:
                         yield chunk(ChatCompletionStreamChoice(
                             index=index, delta=DeltaMessage(reasoning_content=reasoning)))
                 stream = tools[index]
                 if stream is not None:  # the parser holds back what may be call markup
-                    text, calls = stream.feed(text)
+                    text, calls = _feed(stream, text, finish is not None)
                     if finish is not None:
-                        more_text, more_calls = stream.finish()
-                        text, calls = text + more_text, calls + more_calls
                         finish = finish_reason(finish, stream.has_calls)
                 if text or (lp and lp.content):
                     yield chunk(ChatCompletionStreamChoice(
@@ -364,6 +359,15 @@ class OpenAIServing:
             yield SSE_DONE
         finally:
             fan.close()
+
+
+def _feed(parser: ReasoningParser | ToolCallStream, text: str, final: bool) -> tuple[Any, Any]:
+    """A stream parser's two outputs for `text`, with what it held back added on the last."""
+    first, second = parser.feed(text)
+    if final:
+        more_first, more_second = parser.finish()
+        first, second = first + more_first, second + more_second
+    return first, second
 
 
 def _without_null_usage(chunk: Any) -> dict[str, Any]:
