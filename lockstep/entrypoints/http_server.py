@@ -55,9 +55,7 @@ from lockstep.entrypoints.openai.tokenize import (
     detokenize,
     tokenize,
 )
-from lockstep.entrypoints.tokenizer_manager import TokenizerManager
 from lockstep.messages import TokenizedGenerateReq
-from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, ErrorResponse, error_response, json_response, sse
 
@@ -92,22 +90,6 @@ def _operation_id(route: APIRoute) -> str:
     return f"{next(iter(route.methods)).lower()}_{path or 'root'}"
 
 
-class NativeServing:
-    def __init__(self, tm: TokenizerManager, args: ServerArgs) -> None:
-        self.tm = tm
-        self.incremental = args.incremental_streaming_output
-        self.max_batch_size = args.max_batch_size
-
-    async def generate(self, obj: GenerateReqInput, request: Request | None) -> Response:
-        singles = obj.normalize(self.max_batch_size)
-        many = obj.is_batch or len(singles) > 1
-        if obj.stream:
-            fan = await start_stream(self.tm, singles, request)
-            return SSEResponse(_sse(sglang_chunks(fan, self.incremental, many)))
-        outs = [sglang_output(item) for item in await run_to_completion(self.tm, singles, request)]
-        return json_response(outs if many else outs[0])
-
-
 async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     async for chunk in chunks:
         yield sse(chunk)
@@ -122,7 +104,6 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
         status = ServerStatus(launched)
         status.phase = "ready"
     status.launched = launched
-    native = NativeServing(tm, args)
     openai = OpenAIServing(tm, args, launched.info)
     metrics = Metrics(tm, openai.model_name)
     started = time.time()
@@ -201,7 +182,13 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
 
     # ---- generation ----------------------------------------------------------------------
     async def generate(obj: GenerateReqInput, request: Request) -> Response:
-        return await native.generate(obj, request)
+        singles = obj.normalize(args.max_batch_size)
+        many = obj.is_batch or len(singles) > 1
+        if obj.stream:
+            fan = await start_stream(tm, singles, request)
+            return SSEResponse(_sse(sglang_chunks(fan, args.incremental_streaming_output, many)))
+        outs = [sglang_output(item) for item in await run_to_completion(tm, singles, request)]
+        return json_response(outs if many else outs[0])
 
     for method in (app.post, app.put):
         method("/generate", responses=_returns(GenerateResponse | list[GenerateResponse],
