@@ -88,6 +88,9 @@ class FINISH_ABORT(BaseFinishReason):  # noqa: N801
 
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
+# The scheduler looks for each stop (and the start of one) in every new piece of text: its length
+# bounds that work per token. 16k-character stops cost ~length^2 character compares per token.
+MAX_STOP_CHARS = 1024
 MAX_N = 16
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
@@ -126,11 +129,12 @@ Penalty = Annotated[StrictFloat, Field(ge=-2, le=2)]
 RepetitionPenalty = Annotated[StrictFloat, Field(gt=0)]
 SampleCount = Annotated[StrictInt, Field(ge=1, le=MAX_N)]
 # One string or a list: what _stop_to_list accepts, published as such.
+_STOP_ITEM = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 _STOP_SCHEMA = WithJsonSchema({"anyOf": [
-    {"type": "string", "minLength": 1},
-    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+    _STOP_ITEM, {"type": "array", "items": _STOP_ITEM, "maxItems": MAX_STOP_STRINGS},
 ]})
-StopList = Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS),
+StopStr = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS),
                      BeforeValidator(_stop_to_list), _STOP_SCHEMA]
 StopRegexList = StopList  # each pattern is compiled (RE2) where it runs: the scheduler
 # OpenAI's shape: token id (a decimal string) -> a bias added to that token's logit.

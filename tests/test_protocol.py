@@ -114,6 +114,16 @@ BAD_INPUTS = [
         {"text": "a", "sampling_params": {"stop": ["x"] * 17}},
         "sampling_params.stop: must have at most 16 items",
     ),
+    (  # a stop's length bounds the scheduler's per-token search (issue 21)
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"stop": ["x" * 1025]}},
+        "sampling_params.stop[0]: must have at most 1024 characters",
+    ),
+    (
+        GenerateReqInput,
+        {"text": "a", "sampling_params": {"stop_regex": "a" * 1025}},
+        "sampling_params.stop_regex[0]: must have at most 1024 characters",
+    ),
     (
         GenerateReqInput,
         {"text": "a", "sampling_params": {"stop": 3}},

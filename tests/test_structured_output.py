@@ -199,10 +199,15 @@ def test_grammar_limits_admit_real_constraints_and_refuse_unbounded_ones():
     for c in (json_schema_constraint(BIG_SCHEMA), json_schema_constraint(SCHEMA),
               Constraint("regex", r"[a-z0-9._%+-]{1,64}@[a-z0-9.-]{1,255}\.[a-z]{2,10}"),
               Constraint("regex", DATE), Constraint("regex", "a{5000}"), Constraint("ebnf", EBNF),
-              Constraint("regex", "[0-9]{50}"), Constraint("regex", "a*")):
+              Constraint("regex", "[0-9]{50}"), Constraint("regex", "a*"),
+              # Recursion that may stop (the key is optional): {} is an output.
+              json_schema_constraint({"type": "object", "properties": {"a": {"$ref": "#"}}})):
         validate_constraint(c)
     for c, why in ((Constraint("regex", "a{1000000}"), "limits"),
                    (Constraint("json_schema", '{"$ref": "#"}'), "no output"),
+                   # Recursion under a required key: every output is infinite too.
+                   (json_schema_constraint({"type": "object", "properties": {"a": {"$ref": "#"}},
+                                            "required": ["a"]}), "limits"),
                    (Constraint("json_schema", '{"items": ' * 70 + "{}" + "}" * 70), "deep"),
                    (Constraint("ebnf", 'root ::= x\nx ::= "a" x'), "limits"),
                    (Constraint("regex", "a" * 300_000), "characters")):

@@ -388,6 +388,11 @@ def test_auto_and_none(client: openai.OpenAI) -> None:
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{
         "id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{tz"}}]}]},
      "arguments must be a JSON object"),
+    # Nested past the interpreter's stack: a 400 as well (json.loads raised RecursionError: 500).
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "get_time", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+     "arguments must be a JSON object"),
 ])
 def test_bad_tool_input_is_400(client: openai.OpenAI, changes: dict, message: str) -> None:
     body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4, **changes}

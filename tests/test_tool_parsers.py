@@ -157,6 +157,21 @@ def test_malformed_streams_never_raise_and_do_not_depend_on_cuts(
     assert (one[0], [c[1:] for c in one[1]]) == (cut[0], [c[1:] for c in cut[1]])
 
 
+# Arguments nested past the interpreter's stack (the json library raised RecursionError out of
+# the parsers, a 500). A stream has announced the call by then, so only the whole parse is content.
+DEEP = [
+    ("qwen25", '<tool_call>\n{"name": "search", "arguments": {"q": ' + "[" * 3000 + "]" * 3000
+     + "}}\n</tool_call>"),
+    ("llama3", '{"name": "get_time", "parameters": {"tz": ' + "[" * 3000 + "]" * 3000 + "}}"),
+]
+
+
+@pytest.mark.parametrize("name,text", DEEP)
+def test_deeply_nested_output_is_content_and_streams_never_raise(name: str, text: str) -> None:
+    assert make_parser(name, TOOLS).parse(text) == ParseResult(content=text, calls=[])
+    stream(make_parser(name, TOOLS), split_at(text, list(range(0, len(text), 500))))
+
+
 def test_content_never_holds_partial_markup() -> None:
     parser = make_parser("qwen25", TOOLS)
     text = "Let me look.<tool_call>\n" + QWEN_ONE[len("<tool_call>\n"):]

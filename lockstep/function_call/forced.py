@@ -93,5 +93,5 @@ class NamedArgumentsParser(ToolCallParser):
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model may nest brackets past the interpreter's stack
         return False

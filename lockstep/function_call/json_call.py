@@ -37,6 +37,8 @@ def decode_at(buf: str, i: int) -> tuple[Any, int] | None:
     SGLang does with raw_decode and partial_json_parser."""
     try:
         return _DECODER.raw_decode(buf, i)
+    except RecursionError as e:  # a model may nest brackets past the interpreter's stack
+        raise ValueError("JSON nested too deeply") from e
     except json.JSONDecodeError:
         pydantic_core.from_json(buf[i:], allow_partial="trailing-strings")
         return None

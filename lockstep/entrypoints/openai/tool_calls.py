@@ -156,7 +156,7 @@ def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
         function = call["function"]
         try:
             arguments = json.loads(function["arguments"] or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the interpreter's stack
             arguments = None
         if not isinstance(arguments, dict):
             raise ToolRequestError(
