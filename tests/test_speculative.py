@@ -147,3 +147,34 @@ def test_ranks_draft_alike_under_tp_and_pp(layout: dict, tiny_model_dirs, pairs)
     finally:
         launched.shutdown()
     assert got == [off[f"r{i}"].output_ids for i in range(len(prompts))]
+
+
+@pytest.mark.server
+def test_a_server_reports_acceptance_per_request_and_in_metrics(model_dir, tmp_path) -> None:
+    """meta_info carries SGLang's spec_* figures per request; /metrics the acceptance rate and
+    length over finished requests, under SGLang's names."""
+    import re
+
+    import requests
+
+    from lockstep.testing.live_server import LiveServer
+
+    server = LiveServer("--model-path", model_dir, "--dtype", "float32", "--quantization", "q8_0",
+                        "--speculative-algorithm", "NGRAM",
+                        "--speculative-ngram-min-match-window-size", "1", log_dir=tmp_path)
+    try:
+        body = {"input_ids": _prompts(1, seed=2)[0], "sampling_params": {
+            "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}
+        meta = requests.post(server.url + "/generate", json=body, timeout=120).json()["meta_info"]
+        metrics = requests.get(server.url + "/metrics", timeout=30).text
+    finally:
+        server.stop()
+    passes, drafted, accepted = (meta["spec_verify_ct"], meta["spec_draft_token_num"],
+                                 meta["spec_accept_token_num"])
+    assert passes > 0 and drafted >= accepted >= 0, meta  # a random tiny model rarely accepts
+    assert meta["spec_accept_rate"] == pytest.approx(accepted / drafted)
+    assert meta["spec_accept_length"] == pytest.approx((passes + accepted) / passes)
+    found = {m[0]: float(m[1]) for m in re.findall(r"^(sglang:spec_accept_\w+)\{[^}]*\} (\S+)$",
+                                                  metrics, re.M)}
+    assert found == pytest.approx({"sglang:spec_accept_rate": accepted / drafted,
+                                   "sglang:spec_accept_length": (passes + accepted) / passes})

@@ -88,6 +88,14 @@ class Metrics:
             "sglang:max_total_num_tokens": ("Maximum total number of tokens in the KV cache pool.",
                                             lambda: tm.max_total_num_tokens),
             "sglang:context_len": ("Maximum context length.", lambda: tm.context_len),
+            # Speculative decoding over the finished requests that drafted: SGLang's names.
+            "sglang:spec_accept_rate": ("The average acceptance rate of speculative decoding "
+                                        "(accepted tokens / draft tokens).",
+                                        lambda: self._spec[2] / max(1, self._spec[1])),
+            "sglang:spec_accept_length": ("The average acceptance length of speculative "
+                                          "decoding (tokens per verify pass).",
+                                          lambda: (self._spec[0] + self._spec[2])
+                                          / self._spec[0] if self._spec[0] else 1.0),
         }
         ranks = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
         for name, (doc, fn) in gauges.items():
@@ -95,6 +103,7 @@ class Metrics:
                   ).labels(**self.labels, **ranks).set_function(fn)
         self._prompt_total = 0
         self._cached_total = 0
+        self._spec = [0, 0, 0]  # verify passes, draft tokens, accepted draft tokens
         tm.observers.append(self.observe)
 
     def observe(self, state: ReqState, out: ReqOutput, now: float) -> None:
@@ -120,6 +129,8 @@ class Metrics:
         self.requests.labels(**streaming).inc()
         self.by_reason.labels(finish_reason=reason.type, **self.labels).inc()
         self.e2e.labels(**streaming).observe(now - state.created)
+        if out.spec is not None:  # the request's totals, on its last output
+            self._spec = [a + b for a, b in zip(self._spec, out.spec)]
         if isinstance(reason, FINISH_ABORT):
             self.aborted.inc()
         elif out.completion_tokens > 1 and state.first_token_time is not None:
