@@ -16,7 +16,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from lockstep.router.metrics import render as render_metrics
 from lockstep.router.policies import POLICIES, routing_text
-from lockstep.router.router import Router, RouterConfig, Worker, normalize_url
+from lockstep.router.router import Router, RouterConfig, normalize_url
 from lockstep.utils.asgi import unless_disconnected
 from lockstep.utils.http import error_response, json_response
 
@@ -25,14 +25,6 @@ logger = logging.getLogger("lockstep.router")
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Request headers worth passing on; hop-by-hop ones and Host/Content-Length are aiohttp's job.
 _FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent")
-
-
-async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
-    """`work`, cancelled (the worker's request closed, so it aborts) if the client leaves."""
-    try:
-        return await unless_disconnected(request.receive, work)
-    except ClientDisconnect:
-        return Response(status_code=499)  # nobody is listening any more
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,9 +63,6 @@ def create_app(config: RouterConfig) -> FastAPI:
                   redoc_url=None)
     app.state.router = router
 
-    def least_loaded(candidates: list[Worker]) -> Worker:
-        return min(candidates, key=lambda w: w.load)
-
     async def generation(request: Request, path: str) -> Response:
         body = await _read_body(request)
         if isinstance(body, Response):
@@ -84,19 +73,19 @@ def create_app(config: RouterConfig) -> FastAPI:
             parsed = None  # the worker says what is wrong with it
         text = routing_text(path, parsed)
         router.requests += 1
-
-        def pick(candidates: list[Worker]) -> Worker:
-            return router.policy.select(candidates, text)  # type: ignore[return-value]
-
-        work = router.dispatch(request.method, path, body, _forward_headers(request), pick)
-        return await _unless_client_leaves(request, work)
+        work = router.dispatch(request.method, path, body, _forward_headers(request),
+                               lambda candidates: router.policy.select(candidates, text))
+        try:  # cancelled if the client leaves: the worker's request closes, so it aborts
+            return await unless_disconnected(request.receive, work)
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody is listening any more
 
     async def from_one(request: Request, path: str) -> Response:
         body = await _read_body(request) if request.method == "POST" else None
         if isinstance(body, Response):
             return body
         return await router.dispatch(request.method, path, body, _forward_headers(request),
-                                     least_loaded)
+                                     lambda candidates: min(candidates, key=lambda w: w.load))
 
     # ---- generation, and what one worker answers for all -------------------------------
     def to(handler: Callable[[Request, str], Awaitable[Response]], path: str) -> Callable:
@@ -116,6 +105,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def get_model(request: Request, model: str) -> Response:
         return await from_one(request, f"/v1/models/{model}")
 
+    @app.get("/server_info")
+    @app.get("/get_server_info")
     async def server_info(request: Request) -> Response:
         resp = await from_one(request, request.url.path)
         if resp.status_code == 200:
@@ -125,9 +116,6 @@ def create_app(config: RouterConfig) -> FastAPI:
                     info["router"] = router.info()
                     return json_response(info)
         return resp
-
-    app.get("/server_info")(server_info)
-    app.get("/get_server_info")(server_info)
 
     # ---- to every worker -----------------------------------------------------------------
     @app.api_route("/flush_cache", methods=["POST", "GET"])
@@ -180,32 +168,23 @@ def create_app(config: RouterConfig) -> FastAPI:
                               "workers": [w.info() for w in router.workers.values()]})
 
     @app.post("/add_worker")
-    async def add_worker(url: str = "") -> Response:
-        if not url:
-            return error_response("pass the worker as a query parameter: /add_worker?url=URL",
-                                  400)
-        try:
-            worker = await router.add_worker(url)
-        except ValueError as e:
-            return error_response(str(e), 400)
-        except KeyError:
-            return error_response(f"worker {url} is already in the router", 400)
-        return json_response({"success": True, "message": f"Successfully added worker: {url}",
-                              "worker": worker.info()})
-
     @app.post("/remove_worker")
-    async def remove_worker(url: str = "") -> Response:
+    async def add_or_remove_worker(request: Request, url: str = "") -> Response:
+        route = request.url.path
+        adding = route == "/add_worker"
         if not url:
-            return error_response("pass the worker as a query parameter: /remove_worker?url=URL",
-                                  400)
+            return error_response(f"pass the worker as a query parameter: {route}?url=URL", 400)
         try:
-            worker = router.remove_worker(url)
+            worker = await router.add_worker(url) if adding else router.remove_worker(url)
         except ValueError as e:
             return error_response(str(e), 400)
         except KeyError:
+            if adding:
+                return error_response(f"worker {url} is already in the router", 400)
             return error_response(f"worker {url} is not in the router", 404)
-        return json_response({"success": True,
-                              "message": f"Successfully removed worker: {worker.url}"})
+        done = "added" if adding else "removed"
+        return json_response({"success": True, "message": f"Successfully {done} worker: {worker.url}",
+                              "worker": worker.info()})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -254,7 +233,7 @@ def build_parser(prog: str = "lockstep router") -> argparse.ArgumentParser:
 
 
 def config_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> RouterConfig:
-    cfg = RouterConfig(**{k: v for k, v in vars(ns).items()})
+    cfg = RouterConfig(**vars(ns))
     try:
         cfg.worker_urls = [normalize_url(u) for u in cfg.worker_urls]
     except ValueError as e:
@@ -268,23 +247,18 @@ def config_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) ->
     return cfg
 
 
-def run_router(config: RouterConfig) -> None:
+def main(argv: Sequence[str] | None = None, prog: str = "lockstep router") -> int:
     import uvicorn
 
     from lockstep.utils.process import configure_logging
 
-    configure_logging(config.log_level, "router")
-    app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_config=None,
-                log_level=config.log_level, access_log=config.log_level == "debug",
-                timeout_keep_alive=30, timeout_graceful_shutdown=5)
-
-
-def main(argv: Sequence[str] | None = None, prog: str = "lockstep router") -> int:
     parser = build_parser(prog)
     config = config_from_args(parser, parser.parse_args(
         list(sys.argv[1:] if argv is None else argv)))
-    run_router(config)
+    configure_logging(config.log_level, "router")
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_config=None,
+                log_level=config.log_level, access_log=config.log_level == "debug",
+                timeout_keep_alive=30, timeout_graceful_shutdown=5)
     return 0
 
 
