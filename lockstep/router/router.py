@@ -102,10 +102,10 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.policy: Policy = make_policy(
-            config.policy, cache_threshold=config.cache_threshold,
+            config.policy, config.random_seed, cache_threshold=config.cache_threshold,
             balance_abs_threshold=config.balance_abs_threshold,
             balance_rel_threshold=config.balance_rel_threshold,
-            max_tree_size=config.max_tree_size, seed=config.random_seed)
+            max_tree_size=config.max_tree_size)
         self.workers: dict[str, Worker] = {}
         for url in config.worker_urls:
             url = normalize_url(url)
@@ -245,22 +245,20 @@ class Router:
             out_headers = {k: v for k, v in resp.headers.items()
                            if k.lower() in _FORWARD_RESPONSE_HEADERS}
             if resp.status >= 500:
-                with contextlib.suppress(*_RETRYABLE):
-                    data = await resp.read()
-                    worker.failed += 1
-                    worker.last_error = f"{path} answered {resp.status}"
-                    return _Failure(f"{worker.url} answered {resp.status}",
-                                    Response(data, resp.status, headers=out_headers))
                 worker.failed += 1
-                return _Failure(f"{worker.url} answered {resp.status}")
+                worker.last_error = f"{path} answered {resp.status}"
+                failure = _Failure(f"{worker.url} answered {resp.status}")
+                with contextlib.suppress(*_RETRYABLE):
+                    failure.response = Response(await resp.read(), resp.status,
+                                                headers=out_headers)
+                return failure
             if resp.content_type == "text/event-stream":
                 first = await resp.content.readany()
                 if not first:
                     worker.failed += 1
                     return _Failure(f"{worker.url} ended the stream before any event")
-                relay = _Relay(self, worker, resp, first)
                 handed_off = True
-                return RelayResponse(relay, resp.status, {**out_headers, **SSE_HEADERS})
+                return RelayResponse(self, worker, resp, first, {**out_headers, **SSE_HEADERS})
             data = await resp.read()
             worker.completed += 1
             return Response(data, resp.status, headers=out_headers)
@@ -295,19 +293,21 @@ class Router:
         return list(await asyncio.gather(*(one(w) for w in self.healthy())))
 
 
-class _Relay:
-    """A worker's stream passed on chunk by chunk. `close()` (idempotent) ends the attempt:
-    load released, upstream closed — which aborts the request there if it was cut short."""
+class RelayResponse(DisconnectAwareStreamingResponse):
+    """A worker's stream passed on chunk by chunk. When it ends or the client leaves, the attempt
+    ends (`on_close`, idempotent): load released, upstream closed — which aborts the request
+    there if it was cut short."""
 
     def __init__(self, router: Router, worker: Worker, resp: aiohttp.ClientResponse,
-                 first: bytes) -> None:
-        self.router, self.worker, self.resp, self.first = router, worker, resp, first
+                 first: bytes, headers: dict[str, str]) -> None:
+        self.router, self.worker, self.resp = router, worker, resp
         self.closed = False
+        super().__init__(self.chunks(first), resp.status, headers=headers)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        tail = self.first
+    async def chunks(self, first: bytes) -> AsyncIterator[bytes]:
+        tail = first
         try:
-            yield self.first
+            yield first
             async for chunk in self.resp.content.iter_any():
                 tail = chunk
                 yield chunk
@@ -322,22 +322,10 @@ class _Relay:
             message = f"the worker {self.worker.url} failed mid-stream: {type(e).__name__}"
             yield sep + sse(error_body(message, 502))
         finally:
-            self.close()
+            self.on_close()
 
-    def close(self) -> None:
+    def on_close(self) -> None:
         if not self.closed:
             self.closed = True
             self.worker.load -= 1
             self.resp.close()
-
-
-class RelayResponse(DisconnectAwareStreamingResponse):
-    """Relays a stream; when it ends or the client leaves, the upstream is closed so the worker
-    aborts the request."""
-
-    def __init__(self, relay: _Relay, status_code: int, headers: dict[str, str]) -> None:
-        self.relay = relay
-        super().__init__(relay.chunks(), status_code, headers=headers)
-
-    def on_close(self) -> None:
-        self.relay.close()
