@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -182,11 +183,8 @@ class RandomPolicy(Policy):
         return candidates[self.rng.randrange(len(candidates))]
 
 
-class PowerOfTwo(Policy):
+class PowerOfTwo(RandomPolicy):
     name = "power_of_two"
-
-    def __init__(self, seed: int | None = 0) -> None:
-        self.rng = random.Random(seed)
 
     def select(self, candidates: Sequence[WorkerLike], text: str) -> WorkerLike:
         if len(candidates) == 1:
@@ -203,17 +201,11 @@ class CacheAware(Policy):
                  balance_rel_threshold: float = 1.0001, max_tree_size: int = 2 ** 24) -> None:
         self.rule = CacheAwareRule(cache_threshold, balance_abs_threshold, balance_rel_threshold)
         self.max_tree_size = max_tree_size
-        self.trees: dict[str, RadixTree] = {}
+        self.trees: defaultdict[str, RadixTree] = defaultdict(lambda: RadixTree(max_tree_size))
         self.decisions = {"balance": 0, "cache_hit": 0, "cache_miss": 0}
 
-    def tree(self, url: str) -> RadixTree:
-        tree = self.trees.get(url)
-        if tree is None:
-            tree = self.trees[url] = RadixTree(self.max_tree_size)
-        return tree
-
     def select(self, candidates: Sequence[WorkerLike], text: str) -> WorkerLike:
-        trees = [self.tree(w.url) for w in candidates]
+        trees = [self.trees[w.url] for w in candidates]
         matched = [t.match(text) / len(text) if text else 0.0 for t in trees]
         i, why = self.rule.choose([w.load for w in candidates], matched, [t.size for t in trees])
         self.decisions[why] += 1
@@ -239,12 +231,10 @@ class CacheAware(Policy):
                 "tree_sizes": self.tree_sizes()}
 
 
-def make_policy(name: str, *, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-                balance_rel_threshold: float = 1.0001, max_tree_size: int = 2 ** 24,
-                seed: int | None = 0) -> Policy:
+def make_policy(name: str, seed: int | None = 0, **cache_aware: Any) -> Policy:
+    """The policy `name`; `cache_aware` are CacheAware's parameters, `seed` the random ones'."""
     if name == "cache_aware":
-        return CacheAware(cache_threshold, balance_abs_threshold, balance_rel_threshold,
-                          max_tree_size)
+        return CacheAware(**cache_aware)
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
