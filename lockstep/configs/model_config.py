@@ -106,32 +106,28 @@ def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:
 
 
 def _rope_configs(cfg: dict[str, Any], arch: str) -> tuple[RopeConfig, RopeConfig | None]:
+    gemma = arch == "gemma3"
     params = cfg.get("rope_parameters")
-    if arch == "gemma3":
-        if params and "full_attention" in params:
-            return _rope(params["full_attention"], 1e6), _rope(params["sliding_attention"], 1e4)
-        scaling = dict(cfg.get("rope_scaling") or {})
-        scaling.setdefault("rope_theta", cfg.get("rope_theta", 1e6))
-        return _rope(scaling, 1e6), RopeConfig(theta=float(cfg.get("rope_local_base_freq", 1e4)))
-    if params:
-        return _rope(params, 1e4), None
-    scaling = dict(cfg.get("rope_scaling") or {})
-    scaling.setdefault("rope_theta", cfg.get("rope_theta", 1e4))
-    return _rope(scaling, 1e4), None
+    if gemma and params and "full_attention" in params:
+        return _rope(params["full_attention"], 1e6), _rope(params["sliding_attention"], 1e4)
+    theta = 1e6 if gemma else 1e4
+    if gemma or not params:  # the older format: rope_theta beside rope_scaling
+        params = {"rope_theta": cfg.get("rope_theta", theta), **(cfg.get("rope_scaling") or {})}
+    local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 1e4))) if gemma else None
+    return _rope(params, theta), local
 
 
 def _layer_windows(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if arch == "gemma3":
-        types = cfg.get("layer_types")
-        if not types:
-            pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-            types = [
-                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                for i in range(n_layers)
-            ]
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    if cfg.get("use_sliding_window") and window:
-        types = cfg.get("layer_types") or ["sliding_attention"] * n_layers
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    return (None,) * n_layers
+    types = cfg.get("layer_types")
+    if arch == "gemma3" and not types:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ]
+    elif arch != "gemma3":
+        if not (cfg.get("use_sliding_window") and window):
+            return (None,) * n_layers
+        types = types or ["sliding_attention"] * n_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
