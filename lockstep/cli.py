@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import pkgutil
 import sys
 from collections.abc import Sequence
 
 from lockstep.server_args import ServerArgs
+from lockstep.utils.flags import from_flags
 
 DESCRIPTION = "lockstep: an SGLang-compatible LLM serving runtime (peer schedulers in lockstep)."
 SERVE_DESCRIPTION = """\
@@ -24,14 +24,6 @@ SERVE_EPILOG = """examples:
   curl http://127.0.0.1:30000/generate -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 16}}'"""
 
 
-
-def server_args_from(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ServerArgs:
-    try:
-        return ServerArgs.from_cli_args(ns)
-    except ValueError as e:
-        parser.error(str(e))
-
-
 def serve_parser(prog: str = "lockstep serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, usage="%(prog)s [OPTIONS]", description=SERVE_DESCRIPTION, epilog=SERVE_EPILOG,
@@ -42,7 +34,7 @@ def serve_parser(prog: str = "lockstep serve") -> argparse.ArgumentParser:
 
 def run_serve(argv: Sequence[str], prog: str = "lockstep serve") -> None:
     parser = serve_parser(prog)
-    args = server_args_from(parser, parser.parse_args(list(argv)))
+    args = from_flags(parser, ServerArgs, parser.parse_args(list(argv)))
     from lockstep.entrypoints.serve import launch_server
 
     launch_server(args)
@@ -68,8 +60,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         print(f"lockstep bench: lockstep.bench.{name} has no main()", file=sys.stderr)
         return 2
     sys.argv = [f"lockstep bench {name}", *argv]
-    result = main(list(argv)) if inspect.signature(main).parameters else main()
-    return result if isinstance(result, int) else 0
+    return main(list(argv)) or 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

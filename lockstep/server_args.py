@@ -8,10 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
-import typing
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from lockstep.function_call.registry import TOOL_CALL_PARSERS
@@ -20,162 +18,149 @@ from lockstep.layers.quantization import (
     int8_activation_problems,
     quantization_problems,
 )
+from lockstep.utils.flags import add_flags, below_min, flag
 from lockstep.utils.process import free_port
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
 
 
-def arg(default: Any, help: str, group: str, *, choices: Sequence[str] | None = None,
-        aliases: dict[str, Any] | None = None, min: float | None = None,
-        secret: bool = False) -> Any:
-    """A ServerArgs field and its command-line flag: help text, --help group, choices, other
-    flags that set it to a fixed value (SGLang's spellings), the least value accepted (None
-    always is), and whether /get_server_info must hide it."""
-    return field(default=default, metadata={"help": help, "group": group, "choices": choices,
-                                            "aliases": aliases or {}, "min": min,
-                                            "secret": secret})
-
-
 @dataclass(frozen=True)
 class ServerArgs:
-    """Every server option, and the one table the command line is built from (`add_cli_args`):
-    each field's flag is --its-name, typed by its annotation; booleans get --no-... too."""
+    """Every server option, and the one table the command line is built from (`add_cli_args`,
+    lockstep.utils.flags); /get_server_info hides the secret ones."""
 
-    model_path: str | None = arg(
+    model_path: str | None = flag(
         None, "GGUF file or HF directory; default: Gemma 3 270M (bundled).", "model")
-    tokenizer_path: str | None = arg(None, "Defaults to the model's own.", "model")
-    served_model_name: str | None = arg(None, "Name in /v1/models.", "model")
-    chat_template: str | None = arg(
+    tokenizer_path: str | None = flag(None, "Defaults to the model's own.", "model")
+    served_model_name: str | None = flag(None, "Name in /v1/models.", "model")
+    chat_template: str | None = flag(
         None, "Built-in name (gemma, llama3, chatml) or a Jinja file.", "model")
-    tool_call_parser: str | None = arg(
+    tool_call_parser: str | None = flag(
         None, "How tool calls are read from the model's replies under tool_choice 'auto' "
               "(SGLang's names). Default: the model family's format (Qwen2/3: qwen25, "
               "Llama: llama3); Gemma 3 has none.", "model", choices=list(TOOL_CALL_PARSERS))
-    reasoning_parser: str | None = arg(
+    reasoning_parser: str | None = flag(
         None, "Split a reasoning model's thinking block off its chat replies into "
               "reasoning_content (SGLang's names: qwen3, qwen3-thinking, deepseek-r1, glm45, "
               "kimi, step3).", "model")
-    dtype: str = arg("auto", "auto: float32 on a CPU (the exact path: block weights, float32 "
-                             "activations, a request's numbers independent of its batch), "
-                             "bfloat16 on CUDA.",
-                     "model", choices=["auto", "float32", "bfloat16", "float16"])
-    device: str = arg("cpu", "cpu or cuda.", "model", choices=["cpu", "cuda"])
-    quantization: str | None = arg(
+    dtype: str = flag("auto", "auto: float32 on a CPU (the exact path: block weights, float32 "
+                              "activations, a request's numbers independent of its batch), "
+                              "bfloat16 on CUDA.",
+                      "model", choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = flag("cpu", "cpu or cuda.", "model", choices=["cpu", "cuda"])
+    quantization: str | None = flag(
         None, "Pack a float (safetensors) model's weights into GGML blocks at load, for the CPU "
               "block kernels (a GGUF is in blocks already): q8_0, q4_0 or fp16 weights, float32 "
               "activations (--device cpu, --dtype auto or float32).", "model",
         choices=list(QUANTIZATION_METHODS))
-    int8_activations: bool = arg(
+    int8_activations: bool = flag(
         False, "Opt-in, CPU: multiply the integer weight blocks (Q8_0/Q4_0/Q5_0/Q4_K/Q6_K) by "
                "activations quantized per block of 32 to int8 (llama.cpp's arithmetic) at every "
                "batch size: faster at large batches and prefill, still independent of the batch, "
                "but not the exact path's numbers (agreement with float32: docs/benchmarks.md).",
         "model")
-    context_length: int | None = arg(None, "Override the model's.", "model")
-    host: str = arg("127.0.0.1", "Address to listen on.", "server")
-    port: int = arg(30000, "Port to listen on.", "server")
-    api_key: str | None = arg(None, "Bearer key required on every route but /health.", "server",
-                               secret=True)
-    log_level: str = arg("info", "Log level of every process.", "server",
-                         choices=["debug", "info", "warning", "error"])
-    incremental_streaming_output: bool = arg(
+    context_length: int | None = flag(None, "Override the model's.", "model")
+    host: str = flag("127.0.0.1", "Address to listen on.", "server")
+    port: int = flag(30000, "Port to listen on.", "server")
+    api_key: str | None = flag(None, "Bearer key required on every route but /health.", "server",
+                                secret=True)
+    log_level: str = flag("info", "Log level of every process.", "server",
+                          choices=["debug", "info", "warning", "error"])
+    incremental_streaming_output: bool = flag(
         False, "Stream only the new text in each /generate event.", "server")
-    graceful_shutdown_timeout: float = arg(
+    graceful_shutdown_timeout: float = flag(
         20.0, "On SIGTERM: refuse new requests (503) and let running ones finish for up to this "
               "many seconds, then abort the rest and exit.", "server", min=0)
-    max_request_body_bytes: int = arg(
+    max_request_body_bytes: int = flag(
         32 * 1024 * 1024, "Largest request body accepted; larger get 413.", "server",
         min=1)
-    timeout_request_read: float = arg(
+    timeout_request_read: float = flag(
         60.0, "Seconds a request may take to arrive whole (headers and body) from its first "
               "byte; a slower client gets 408 and is disconnected.", "server", min=0.001)
-    timeout_keep_alive: float = arg(
+    timeout_keep_alive: float = flag(
         30.0, "Seconds a connection may sit idle, before its first request or between two, "
               "before it is closed.", "server", min=0.001)
-    max_connections: int = arg(
+    max_connections: int = flag(
         1000, "Most client connections open at once; one opened beyond gets 503 with "
               "Retry-After and is closed.", "server", min=1)
-    max_prompt_tokens: int | None = arg(
+    max_prompt_tokens: int | None = flag(
         None, "Longest prompt accepted, in tokens (default: the context length - 1).", "server",
         min=1)
-    max_batch_size: int = arg(
+    max_batch_size: int = flag(
         1024, "Most generations one HTTP request may fan out into (prompts x n); more get 400.",
         "server", min=1)
-    max_total_tokens: int | None = arg(None, "KV pool size in tokens.", "memory")
-    mem_fraction_static: float = arg(
+    max_total_tokens: int | None = flag(None, "KV pool size in tokens.", "memory")
+    mem_fraction_static: float = flag(
         0.2, "Share of free memory for the KV pool when --max-total-tokens is unset.", "memory")
-    max_running_requests: int = arg(64, "Most requests decoding at once.", "memory", min=1)
-    max_queued_requests: int | None = arg(
+    max_running_requests: int = flag(64, "Most requests decoding at once.", "memory", min=1)
+    max_queued_requests: int | None = flag(
         None, "Most requests waiting beyond the running ones; past it a 503 with Retry-After.",
         "memory", min=0)
-    schedule_policy: str = arg(
+    schedule_policy: str = flag(
         "fcfs", "Order in which waiting requests are admitted (lpm: longest prefix match).",
         "scheduling", choices=list(SCHEDULE_POLICIES))
-    chunked_prefill_size: int = arg(
+    chunked_prefill_size: int = flag(
         512, "Max prefill tokens per step; -1 disables chunking.", "scheduling")
-    enable_mixed_chunk: bool = arg(
+    enable_mixed_chunk: bool = flag(
         False, "Run prefill chunks and decodes in one batch.", "scheduling")
-    disable_radix_cache: bool = arg(
+    disable_radix_cache: bool = flag(
         False, "Do not share KV between requests with a common prefix.", "scheduling")
-    enable_overlap_schedule: bool | None = arg(
+    enable_overlap_schedule: bool | None = flag(
         None, "Run the model on a forward thread while the scheduler processes the previous "
               "batch's result and prepares the next one (never with --pp-size > 1). Default: "
               "on with --device cuda; off on cpu, where the scheduler is <1%% of a step and it "
               "gained nothing measurable (docs/benchmarks.md).", "scheduling",
         aliases={"--disable-overlap-schedule": False})
-    new_token_ratio: float = arg(
+    new_token_ratio: float = flag(
         0.7, "Initial estimate of max_new_tokens actually used.", "scheduling")
-    random_seed: int = arg(0, "Seed of the sampling of requests that give none.", "scheduling")
-    enable_lockstep_check: int = arg(
+    random_seed: int = flag(0, "Seed of the sampling of requests that give none.", "scheduling")
+    enable_lockstep_check: int = flag(
         0, "Every N steps the ranks compare schedule fingerprints (0 = off).", "scheduling")
-    debug_fingerprints: bool = arg(False, "Record per-step schedule fingerprints.", "scheduling")
-    watchdog_timeout: float = arg(
+    debug_fingerprints: bool = flag(False, "Record per-step schedule fingerprints.", "scheduling")
+    watchdog_timeout: float = flag(
         300.0, "Seconds a scheduler, the detokenizer or the DP controller may hold work without "
                "finishing a step (a message) before it dumps every thread's stack to the log and "
                "brings the server down (0 = off).",
         "scheduling", min=0)
-    speculative_algorithm: str | None = arg(
+    speculative_algorithm: str | None = flag(
         None, "NGRAM: each decoding request drafts its next tokens from n-grams of its own prompt "
               "and output (and of recent requests), and one pass verifies them; the output is "
               "bitwise the same as without it (off by default; docs/benchmarks.md).",
         "speculative decoding", choices=["NGRAM"])
-    speculative_num_draft_tokens: int = arg(
+    speculative_num_draft_tokens: int = flag(
         8, "Most draft tokens one verify pass checks per request.", "speculative decoding", min=1)
-    speculative_ngram_min_match_window_size: int = arg(
+    speculative_ngram_min_match_window_size: int = flag(
         2, "Shortest suffix (tokens) matched to draft.", "speculative decoding", min=1)
-    speculative_ngram_max_match_window_size: int = arg(
+    speculative_ngram_max_match_window_size: int = flag(
         6, "Longest suffix (tokens) matched to draft.", "speculative decoding", min=1)
-    speculative_ngram_capacity: int = arg(
+    speculative_ngram_capacity: int = flag(
         100_000, "N-grams of finished requests kept for drafting.", "speculative decoding", min=0)
-    tp_size: int = arg(1, "Tensor-parallel ranks per replica.", "parallelism", min=1)
-    pp_size: int = arg(1, "Pipeline stages per replica.", "parallelism", min=1)
-    pp_micro_batches: int | None = arg(
+    tp_size: int = flag(1, "Tensor-parallel ranks per replica.", "parallelism", min=1)
+    pp_size: int = flag(1, "Pipeline stages per replica.", "parallelism", min=1)
+    pp_micro_batches: int | None = flag(
         None, "With --pp-size > 1: split each batch by requests into up to this many "
               "micro-batches that the stages work on at once (1: one batch at a time). "
               "Default: --pp-size on cuda, 1 on cpu, where splitting measured 6-13%% slower "
               "(docs/benchmarks.md).", "parallelism", min=1)
-    dp_size: int = arg(1, "Data-parallel replicas.", "parallelism", min=1)
-    load_balance_method: str = arg(
+    dp_size: int = flag(1, "Data-parallel replicas.", "parallelism", min=1)
+    load_balance_method: str = flag(
         "round_robin", "How the data-parallel controller picks a replica.", "parallelism",
         choices=list(LOAD_BALANCE_METHODS))
-    dp_cache_threshold: float = arg(
+    dp_cache_threshold: float = flag(
         0.5, "cache_aware: prefix match rate above which affinity wins.", "parallelism")
-    dp_balance_abs_threshold: int = arg(
+    dp_balance_abs_threshold: int = flag(
         32, "cache_aware: load gap (requests) past which the least-loaded replica wins.",
         "parallelism")
-    dp_balance_rel_threshold: float = arg(
+    dp_balance_rel_threshold: float = flag(
         1.0001, "cache_aware: ... and the max/min load ratio past which it wins.", "parallelism")
-    nnodes: int = arg(1, "Number of machines.", "parallelism", min=1)
-    node_rank: int = arg(0, "This machine's rank among --nnodes.", "parallelism")
-    dist_init_addr: str | None = arg(
+    nnodes: int = flag(1, "Number of machines.", "parallelism", min=1)
+    node_rank: int = flag(0, "This machine's rank among --nnodes.", "parallelism")
+    dist_init_addr: str | None = flag(
         None, "HOST:PORT of node 0 for torch.distributed.", "parallelism")
 
     def __post_init__(self) -> None:
-        problems = [f"--{f.name.replace('_', '-')} must be >= {f.metadata['min']}"
-                    for f in fields(self) if f.metadata["min"] is not None
-                    and getattr(self, f.name) is not None
-                    and getattr(self, f.name) < f.metadata["min"]]
+        problems = below_min(self)
         if self.node_rank >= self.nnodes or self.node_rank < 0:
             problems.append("--node-rank must be in [0, nnodes)")
         if (self.tp_size * self.pp_size) % self.nnodes:
@@ -221,38 +206,12 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """One flag per field, filed under its group in --help."""
-        hints = typing.get_type_hints(ServerArgs)
-        groups: dict[str, Any] = {}
-        for f in fields(ServerArgs):
-            meta = f.metadata
-            name = meta["group"]
-            group = groups.get(name) or groups.setdefault(
-                name, parser.add_argument_group(f"{name} options"))
-            flag = "--" + f.name.replace("_", "-")
-            kind = _flag_type(hints[f.name])
-            if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                   help=meta["help"])
-            else:
-                shown = "" if f.default is None else f" (default: {f.default})"
-                group.add_argument(flag, type=kind, default=f.default, choices=meta["choices"],
-                                   help=meta["help"] + shown)
-            for alias, value in meta["aliases"].items():
-                same = flag if value is True else f"--no-{flag[2:]}" if value is False else (
-                    f"{flag} {value}")
-                group.add_argument(alias, dest=f.name, action="store_const", const=value,
-                                   help=f"Same as {same} (SGLang's name).")
+        """One flag per field, filed under its group in --help (SGLang's name for it)."""
+        add_flags(parser, ServerArgs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-def _flag_type(hint: Any) -> Any:
-    """The value type of a field's flag: `int | None` -> int."""
-    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
-    return kinds[0]
 
 
 @dataclass(frozen=True)

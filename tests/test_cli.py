@@ -6,13 +6,14 @@ import dataclasses
 
 import pytest
 
-from lockstep.cli import serve_parser, server_args_from
+from lockstep.cli import serve_parser
 from lockstep.server_args import ServerArgs
+from lockstep.utils.flags import from_flags
 
 
 def _parse(*argv: str) -> ServerArgs:
     parser = serve_parser()
-    return server_args_from(parser, parser.parse_args(list(argv)))
+    return from_flags(parser, ServerArgs, parser.parse_args(list(argv)))
 
 
 def test_no_flags_give_the_defaults():

@@ -28,15 +28,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from starlette.responses import Response
 
-from lockstep.router.policies import Policy, make_policy
+from lockstep.router.policies import POLICIES, Policy, make_policy
 from lockstep.utils.asgi import SSE_HEADERS, DisconnectAwareStreamingResponse
+from lockstep.utils.flags import below_min, flag
 from lockstep.utils.http import error_body, error_response, sse
 
 logger = logging.getLogger("lockstep.router")
@@ -83,19 +84,43 @@ class _Failure:
 
 @dataclass
 class RouterConfig:
-    worker_urls: list[str] = field(default_factory=list)
-    policy: str = "cache_aware"
-    host: str = "127.0.0.1"
-    port: int = 30000
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.0001
-    max_tree_size: int = 2 ** 24
-    health_check_interval: float = 5.0
-    health_check_timeout: float = 5.0
-    request_timeout: float | None = None
-    random_seed: int | None = 0
-    log_level: str = "info"
+    """The router's options, and the table its command line is built from (utils/flags.py)."""
+
+    worker_urls: list[str] = flag(
+        [], "Servers to route to (more can be added at run time: POST /add_worker).", "router")
+    policy: str = flag("cache_aware", "How a worker is picked.", "router", choices=POLICIES)
+    host: str = flag("127.0.0.1", "Address to listen on.", "router")
+    port: int = flag(30000, "Port to listen on.", "router")
+    cache_threshold: float = flag(
+        0.5, "cache_aware: prefix match ratio above which the matching worker wins.", "router",
+        min=0)
+    balance_abs_threshold: int = flag(
+        32, "cache_aware: imbalanced when max - min load exceeds this ...", "router")
+    balance_rel_threshold: float = flag(
+        1.0001, "... and max load exceeds min load times this.", "router")
+    max_tree_size: int = flag(
+        2 ** 24, "cache_aware: characters kept per worker's tree (LRU eviction).", "router", min=1)
+    health_check_interval: float = flag(
+        5.0, "Seconds between health checks of every worker.", "router", min=0.001)
+    health_check_timeout: float = flag(
+        5.0, "Seconds a worker's /health may take.", "router", min=0.001)
+    request_timeout: float | None = flag(
+        None, "Seconds a request to a worker may take in all (default: no limit).", "router")
+    random_seed: int | None = flag(
+        0, "Seed of the random and power_of_two policies.", "router")
+    log_level: str = flag("info", "Log level.", "router",
+                          choices=["debug", "info", "warning", "error", "critical"])
+
+    def __post_init__(self) -> None:
+        problems = below_min(self)
+        if self.cache_threshold > 1:
+            problems.append("--cache-threshold must be <= 1")
+        try:
+            self.worker_urls = list(dict.fromkeys(normalize_url(u) for u in self.worker_urls))
+        except ValueError as e:
+            problems.append(str(e))
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 class Router:
@@ -106,10 +131,7 @@ class Router:
             balance_abs_threshold=config.balance_abs_threshold,
             balance_rel_threshold=config.balance_rel_threshold,
             max_tree_size=config.max_tree_size)
-        self.workers: dict[str, Worker] = {}
-        for url in config.worker_urls:
-            url = normalize_url(url)
-            self.workers.setdefault(url, Worker(url))
+        self.workers = {url: Worker(url) for url in config.worker_urls}
         self.session: aiohttp.ClientSession | None = None
         self.retries = 0
         self.requests = 0

@@ -15,9 +15,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 
 from lockstep.router.metrics import render as render_metrics
-from lockstep.router.policies import POLICIES, routing_text
-from lockstep.router.router import Router, RouterConfig, normalize_url
+from lockstep.router.policies import routing_text
+from lockstep.router.router import Router, RouterConfig
 from lockstep.utils.asgi import unless_disconnected
+from lockstep.utils.flags import add_flags, from_flags
 from lockstep.utils.http import error_response, json_response
 
 logger = logging.getLogger("lockstep.router")
@@ -199,52 +200,14 @@ def create_app(config: RouterConfig) -> FastAPI:
 
 
 def build_parser(prog: str = "lockstep router") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog=prog, description="Route requests across lockstep servers (the same HTTP API), "
         "by prefix affinity and load.",
         epilog="example:\n  lockstep router --worker-urls http://127.0.0.1:30001 "
         "http://127.0.0.1:30002 --port 30000",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = RouterConfig()
-    p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL",
-                   help="Servers to route to (more can be added at run time: POST /add_worker).")
-    p.add_argument("--policy", choices=POLICIES, default=d.policy, help="How a worker is picked.")
-    p.add_argument("--host", default=d.host, help="Address to listen on.")
-    p.add_argument("--port", type=int, default=d.port, help="Port to listen on.")
-    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
-                   help="cache_aware: prefix match ratio above which the matching worker wins.")
-    p.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
-                   help="cache_aware: imbalanced when max - min load exceeds this ...")
-    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
-                   help="... and max load exceeds min load times this.")
-    p.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
-                   help="cache_aware: characters kept per worker's tree (LRU eviction).")
-    p.add_argument("--health-check-interval", type=float, default=d.health_check_interval,
-                   help="Seconds between health checks of every worker.")
-    p.add_argument("--health-check-timeout", type=float, default=d.health_check_timeout,
-                   help="Seconds a worker's /health may take.")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="Seconds a request to a worker may take in all (default: no limit).")
-    p.add_argument("--random-seed", type=int, default=d.random_seed,
-                   help="Seed of the random and power_of_two policies.")
-    p.add_argument("--log-level", default=d.log_level,
-                   choices=["debug", "info", "warning", "error", "critical"])
-    return p
-
-
-def config_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> RouterConfig:
-    cfg = RouterConfig(**vars(ns))
-    try:
-        cfg.worker_urls = [normalize_url(u) for u in cfg.worker_urls]
-    except ValueError as e:
-        parser.error(str(e))
-    if not 0.0 <= cfg.cache_threshold <= 1.0:
-        parser.error("--cache-threshold must be between 0 and 1")
-    if cfg.health_check_interval <= 0 or cfg.health_check_timeout <= 0:
-        parser.error("--health-check-interval and --health-check-timeout must be positive")
-    if cfg.max_tree_size <= 0:
-        parser.error("--max-tree-size must be positive")
-    return cfg
+    add_flags(parser, RouterConfig)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "lockstep router") -> int:
@@ -253,7 +216,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "lockstep router") -> in
     from lockstep.utils.process import configure_logging
 
     parser = build_parser(prog)
-    config = config_from_args(parser, parser.parse_args(
+    config = from_flags(parser, RouterConfig, parser.parse_args(
         list(sys.argv[1:] if argv is None else argv)))
     configure_logging(config.log_level, "router")
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_config=None,
