@@ -41,10 +41,8 @@ def kill_tree(pid: int, include_self: bool = True, sig: int = signal.SIGKILL) ->
         return
     procs = proc.children(recursive=True) + ([proc] if include_self else [])
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def configure_logging(level: str, prefix: str) -> None:

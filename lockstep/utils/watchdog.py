@@ -62,14 +62,11 @@ class ForwardProgressWatchdog:
         self.since = time.monotonic()
         self.busy = busy
 
-    def stalled_for(self) -> float:
-        return time.monotonic() - self.since if self.busy else 0.0
-
     def _watch(self) -> None:
         poll = min(1.0, max(0.05, self.timeout / 10))
         while True:
             time.sleep(poll)
-            stalled = self.stalled_for()
+            stalled = time.monotonic() - self.since if self.busy else 0.0
             if stalled > self.timeout:
                 self.fire(stalled)
                 return
