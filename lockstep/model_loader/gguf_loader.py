@@ -78,8 +78,13 @@ def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, generation_config.json, the tensor index and tokenizer files into
-    `out_dir`."""
-    reader = _open(gguf_path)
+    `out_dir`; `resolve_model` has checked the file starts as a GGUF."""
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:  # gguf reports truncation as reshape / index errors deep in numpy
+        size = gguf_path.stat().st_size
+        raise ModelLoadError(
+            f"{gguf_path}: truncated or corrupt GGUF file ({size} bytes): {e}") from e
     meta = _Metadata(reader, gguf_path)
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors)
@@ -87,26 +92,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         "indexing %s (%s, %d tensors) into %s", gguf_path, meta.arch, len(tensors), out_dir
     )
     index = _tensor_index(reader, meta, config)
-    _check_shapes(index, _expected_shapes(config), gguf_path)
+    _check_shapes(index, config, gguf_path)
     (out_dir / TENSOR_INDEX).write_text(json.dumps(
         {"gguf_size": gguf_path.stat().st_size, "tensors": index}, indent=1) + "\n")
     config.save_pretrained(str(out_dir))
     _write_tokenizer(gguf_path, meta, config, out_dir)
-
-
-def _open(path: Path) -> GGUFReader:
-    try:
-        with path.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read: {e}") from e
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # gguf reports truncation as reshape / index errors deep in numpy
-        size = path.stat().st_size
-        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {e}") from e
 
 
 class _Metadata:
@@ -308,21 +298,16 @@ def _tensor_index(reader: GGUFReader, meta: _Metadata, config: Any) -> dict[str,
     return index
 
 
-def _expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """{HF name: shape} the model class wants, from a weightless (meta-device) instance."""
+def _check_shapes(index: dict[str, dict[str, Any]], config: Any, gguf_path: Path) -> None:
+    """Every tensor the model class wants, in the shape it wants (read off a weightless,
+    meta-device instance), and no other."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    return shapes
-
-
-def _check_shapes(
-    index: dict[str, dict[str, Any]], expected: dict[str, tuple[int, ...]], gguf_path: Path
-) -> None:
+        expected.pop("lm_head.weight", None)
     for name, entry in index.items():
         want = expected.get(name)
         if want is None or tuple(entry["shape"]) != want:

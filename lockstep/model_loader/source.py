@@ -68,8 +68,11 @@ def resolve_model(model_path: str | None, cache_dir: Path | None = None) -> Mode
         source = load_hf_dir(path, origin)
         logger.info("loaded %s in %.2f s", path, time.perf_counter() - start)
         return source
-    if path.suffix.lower() != ".gguf" and _read_head(path, 4) != _GGUF_MAGIC:
+    magic = _read_head(path, 4)
+    if magic != _GGUF_MAGIC and path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: neither a .gguf file nor an HF model directory")
+    if magic != _GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
     return _resolve_gguf(path, origin, Path(cache_dir) if cache_dir else lockstep_cache_dir(), start)
 
 
@@ -167,10 +170,8 @@ def _content_sha256(path: Path, cache_dir: Path) -> str:
         entry = memo.get(ident)
         if isinstance(entry, list) and entry[:2] == [st.st_size, st.st_mtime_ns]:
             return str(entry[2])
-        digest = hashlib.sha256()
         with path.open("rb") as fh:
-            while block := fh.read(1 << 22):
-                digest.update(block)
+            digest = hashlib.file_digest(fh, "sha256")
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read: {e}") from e
     memo[ident] = [st.st_size, st.st_mtime_ns, digest.hexdigest()]
