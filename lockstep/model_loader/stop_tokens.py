@@ -34,9 +34,5 @@ def _token_ids(tok_file: Path, tokens: Iterable[str]) -> dict[str, int]:
     if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the id is the index
         vocab = {piece[0]: i for i, piece in enumerate(vocab)}
     added = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
-    found = {}
-    for token in tokens:
-        token_id = added.get(token, vocab.get(token))
-        if token_id is not None:
-            found[token] = int(token_id)
-    return found
+    found = {token: added.get(token, vocab.get(token)) for token in tokens}
+    return {token: int(token_id) for token, token_id in found.items() if token_id is not None}
