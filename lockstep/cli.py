@@ -41,18 +41,16 @@ def run_serve(argv: Sequence[str], prog: str = "lockstep serve") -> None:
 
 
 def _benchmarks() -> list[str]:
-    try:
-        import lockstep.bench as bench
-    except ImportError:
-        return []
+    import lockstep.bench as bench
+
     return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_"))
 
 
 def run_bench(name: str, argv: Sequence[str]) -> int:
     available = _benchmarks()
     if name not in available:
-        listing = ", ".join(available) if available else "none yet"
-        print(f"lockstep bench: unknown benchmark {name!r} (available: {listing})", file=sys.stderr)
+        print(f"lockstep bench: unknown benchmark {name!r} (available: {', '.join(available)})",
+              file=sys.stderr)
         return 2
     module = importlib.import_module(f"lockstep.bench.{name}")
     main = getattr(module, "main", None)
@@ -73,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"lockstep {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("serve", help="start the HTTP server (SGLang and OpenAI APIs)", add_help=False)
-    benches = ", ".join(_benchmarks()) or "none yet"
+    benches = ", ".join(_benchmarks())
     sub.add_parser("bench", help=f"run a benchmark: lockstep bench NAME [ARGS] ({benches})",
                    add_help=False)
     sub.add_parser("router", help="route requests across several servers (same HTTP API)",
