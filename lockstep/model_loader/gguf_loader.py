@@ -360,12 +360,9 @@ def _write_generation_config(
     from transformers import GenerationConfig
 
     generation = GenerationConfig.from_model_config(config)
-    eos = [config.eos_token_id] if config.eos_token_id is not None else []
-    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-    extra += [vocab.get(t) for t in END_OF_TURN_TOKENS]
-    for token_id in extra:
-        if token_id is not None and token_id not in eos:
-            eos.append(int(token_id))
+    found = [config.eos_token_id, meta.get("tokenizer.ggml.eot_token_id"),
+             meta.get("tokenizer.ggml.eom_token_id"), *(vocab.get(t) for t in END_OF_TURN_TOKENS)]
+    eos = list(dict.fromkeys(int(token_id) for token_id in found if token_id is not None))
     if eos:
         generation.eos_token_id = eos if len(eos) > 1 else eos[0]
     generation.save_pretrained(str(out_dir))
