@@ -46,10 +46,8 @@ class DisconnectAwareStreamingResponse(StreamingResponse):
             with contextlib.suppress(ClientDisconnect, OSError):  # OSError: gone mid-write
                 await unless_disconnected(receive, self.stream_response(send))
         finally:
-            closer = getattr(self.body_iterator, "aclose", None)
-            if closer is not None:
-                with contextlib.suppress(Exception):
-                    await closer()
+            with contextlib.suppress(Exception):  # AttributeError: nothing to close
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
             self.on_close()
 
     def on_close(self) -> None:

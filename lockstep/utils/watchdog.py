@@ -18,6 +18,7 @@ Only the wall clock of this thread is read here; nothing of it enters a scheduli
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import sys
@@ -29,13 +30,9 @@ from typing import TextIO
 logger = logging.getLogger(__name__)
 
 
-def _bring_server_down() -> None:
-    os._exit(1)
-
-
 class ForwardProgressWatchdog:
     def __init__(self, timeout: float, name: str,
-                 on_fire: Callable[[], None] = _bring_server_down,
+                 on_fire: Callable[[], None] = functools.partial(os._exit, 1),
                  dump_to: TextIO | None = None) -> None:
         self.timeout = timeout
         self.name = name
