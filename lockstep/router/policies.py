@@ -248,10 +248,6 @@ def make_policy(name: str, seed: int | None = 0, **cache_aware: Any) -> Policy:
 # The text a request is routed on
 
 
-def _ids_text(ids: Sequence[Any]) -> str:
-    return " ".join(str(t) for t in ids)
-
-
 def _prompt_text(value: Any) -> str:
     """A prompt as text: a string, a list of ids, or (a batch) the first of a list of either."""
     if isinstance(value, str):
@@ -261,7 +257,7 @@ def _prompt_text(value: Any) -> str:
         if isinstance(head, (str, list)):
             return _prompt_text(head)
         if isinstance(head, int) and not isinstance(head, bool):
-            return _ids_text(value)
+            return " ".join(str(t) for t in value)
     return ""
 
 

@@ -183,9 +183,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             if adding:
                 return error_response(f"worker {url} is already in the router", 400)
             return error_response(f"worker {url} is not in the router", 404)
-        done = "added" if adding else "removed"
-        return json_response({"success": True, "message": f"Successfully {done} worker: {worker.url}",
-                              "worker": worker.info()})
+        message = f"Successfully {'added' if adding else 'removed'} worker: {worker.url}"
+        return json_response({"success": True, "message": message, "worker": worker.info()})
 
     @app.get("/metrics")
     async def metrics() -> Response:
