@@ -234,10 +234,7 @@ class Router:
         another while an attempt fails before anything reached the client."""
         tried: set[str] = set()
         last: _Failure | None = None
-        while True:
-            candidates = [w for w in self.healthy() if w.url not in tried]
-            if not candidates:
-                break
+        while candidates := [w for w in self.healthy() if w.url not in tried]:
             worker = pick(candidates)
             tried.add(worker.url)
             if last is not None:
@@ -247,6 +244,7 @@ class Router:
             outcome = await self._attempt(worker, method, path, body, headers)
             if not isinstance(outcome, _Failure):
                 return outcome
+            worker.failed += 1
             last = outcome
         if last is None:
             return error_response("no healthy worker to serve the request", 503)
@@ -256,6 +254,7 @@ class Router:
 
     async def _attempt(self, worker: Worker, method: str, path: str, body: bytes | None,
                        headers: dict[str, str]) -> Response | _Failure:
+        """One try on `worker`; a _Failure (counted by `dispatch`) when another may be tried."""
         assert self.session is not None
         worker.load += 1
         worker.requests += 1
@@ -267,7 +266,6 @@ class Router:
             out_headers = {k: v for k, v in resp.headers.items()
                            if k.lower() in _FORWARD_RESPONSE_HEADERS}
             if resp.status >= 500:
-                worker.failed += 1
                 worker.last_error = f"{path} answered {resp.status}"
                 failure = _Failure(f"{worker.url} answered {resp.status}")
                 with contextlib.suppress(*_RETRYABLE):
@@ -277,7 +275,6 @@ class Router:
             if resp.content_type == "text/event-stream":
                 first = await resp.content.readany()
                 if not first:
-                    worker.failed += 1
                     return _Failure(f"{worker.url} ended the stream before any event")
                 handed_off = True
                 return RelayResponse(self, worker, resp, first, {**out_headers, **SSE_HEADERS})
@@ -285,11 +282,9 @@ class Router:
             worker.completed += 1
             return Response(data, resp.status, headers=out_headers)
         except aiohttp.ClientConnectorError as e:
-            worker.failed += 1
             self.mark_unhealthy(worker, f"cannot connect: {e}")
             return _Failure(f"cannot connect to {worker.url}: {e}")
         except _RETRYABLE as e:
-            worker.failed += 1
             worker.last_error = f"{type(e).__name__}: {e}"
             self.check(worker)  # a worker that went away is taken out at once
             return _Failure(f"{worker.url} failed: {type(e).__name__}: {e}")
