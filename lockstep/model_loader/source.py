@@ -68,7 +68,11 @@ def resolve_model(model_path: str | None, cache_dir: Path | None = None) -> Mode
         source = load_hf_dir(path, origin)
         logger.info("loaded %s in %.2f s", path, time.perf_counter() - start)
         return source
-    magic = _read_head(path, 4)
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read: {e}") from e
     if magic != _GGUF_MAGIC and path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"{path}: neither a .gguf file nor an HF model directory")
     if magic != _GGUF_MAGIC:
@@ -197,14 +201,6 @@ def _read_json_or_none(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _read_head(path: Path, n: int) -> bytes:
-    try:
-        with path.open("rb") as fh:
-            return fh.read(n)
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read: {e}") from e
 
 
 # --------------------------------------------------------------------------- HF directories
