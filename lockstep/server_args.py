@@ -232,5 +232,6 @@ class PortArgs:
 
     def for_replica(self, dp_rank: int) -> PortArgs:
         """A replica's own input socket and torch.distributed rendezvous."""
-        return dataclasses.replace(self, scheduler_input_ipc=f"{self.scheduler_input_ipc}-dp{dp_rank}",
+        return dataclasses.replace(self,
+                                   scheduler_input_ipc=f"{self.scheduler_input_ipc}-dp{dp_rank}",
                                    dist_init_addr=f"127.0.0.1:{free_port()}")
