@@ -61,14 +61,10 @@ class ForwardProgressWatchdog:
 
     def _watch(self) -> None:
         poll = min(1.0, max(0.05, self.timeout / 10))
-        while True:
+        stalled = 0.0
+        while stalled <= self.timeout:
             time.sleep(poll)
             stalled = time.monotonic() - self.since if self.busy else 0.0
-            if stalled > self.timeout:
-                self.fire(stalled)
-                return
-
-    def fire(self, stalled: float) -> None:
         self.fired = True
         logger.error("watchdog: %s has held work for %.1f s without finishing a step "
                      "(--watchdog-timeout %g); dumping every thread's stack and bringing the "
