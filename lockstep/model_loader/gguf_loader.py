@@ -27,8 +27,6 @@ from lockstep.model_loader.stop_tokens import END_OF_TURN_TOKENS
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
-
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -54,6 +52,7 @@ _GEMMA3_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# The GGUF architectures supported, and the HF class of each.
 _HF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
@@ -104,10 +103,10 @@ class _Metadata:
         self._reader = reader
         self.path = path
         arch = self.get("general.architecture")
-        if arch not in SUPPORTED_ARCHS:
+        if arch not in _HF_ARCHITECTURES:
             raise ModelLoadError(
                 f"{path}: unsupported GGUF architecture {arch!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+                f"(supported: {', '.join(_HF_ARCHITECTURES)})"
             )
         self.arch: str = arch
 
