@@ -50,10 +50,10 @@ def block_type(qtype: str) -> BlockType:
 def row_bytes(qtype: str, n_cols: int) -> int:
     """Bytes of one row of `n_cols` elements; ValueError unless `n_cols` is whole blocks."""
     kind = block_type(qtype)
-    per_block, nbytes = kind.per_block, kind.nbytes
-    if n_cols <= 0 or n_cols % per_block:
-        raise ValueError(f"{qtype} rows must be a positive multiple of {per_block} elements, got {n_cols}")
-    return n_cols // per_block * nbytes
+    if n_cols <= 0 or n_cols % kind.per_block:
+        raise ValueError(f"{qtype} rows must be a positive multiple of {kind.per_block} elements, "
+                         f"got {n_cols}")
+    return n_cols // kind.per_block * kind.nbytes
 
 
 def check_blocks(qtype: str, blocks: torch.Tensor, n_cols: int) -> None:
@@ -84,36 +84,43 @@ def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _dequant_blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
-    """uint8 [B, bytes per block] -> float32 [B, elements per block]."""
+def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, bytes per block] -> the blocks' integer quants, int32 [B, elements per block]:
+    signed, offset removed, except Q4_K's (unsigned, its mins separate). Shared by dequantize and
+    the int8 path, so both read the same bits."""
     if qtype == "Q8_0":
-        return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, 0:2]).unsqueeze(-1)
+        return b[:, 2:].contiguous().view(torch.int8).to(torch.int32)
     if qtype == "Q4_0":
-        q = _nibbles(b[:, 2:]).to(torch.int8) - 8
-        return _f16(b[:, 0:2]).unsqueeze(-1) * q.float()
+        return _nibbles(b[:, 2:]).to(torch.int32) - 8
     if qtype == "Q5_0":
         qh = b[:, 2:6].contiguous().view(torch.int32)  # [B, 1], bit j = high bit of element j
-        shifts = torch.arange(32, dtype=torch.int32)
-        hi = ((qh >> shifts) & 1).to(torch.uint8)
-        q = (_nibbles(b[:, 6:]) | (hi << 4)).to(torch.int8) - 16
-        return _f16(b[:, 0:2]).unsqueeze(-1) * q.float()
+        hi = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+        return (_nibbles(b[:, 6:]).to(torch.int32) | (hi << 4)) - 16
+    if qtype == "Q4_K":
+        # 4 chunks of 32 bytes; each gives 32 low nibbles (sub-block 2j) then 32 high (2j+1)
+        return _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 256).to(torch.int32)
+    if qtype == "Q6_K":
+        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+        low = _nibbles(ql)  # [B, 2, 128]: 32-groups use ql[0:32], ql[32:64] low, then the same high
+        high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)  # [B, 2, 128]
+        return ((low | (high << 4)).to(torch.int32) - 32).reshape(-1, 256)
+    raise ValueError(f"no block dequantization for {qtype}")
+
+
+def _dequant_blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, bytes per block] -> float32 [B, elements per block]."""
+    q = _int_quants(qtype, b).float()  # exact: every quant is a small integer
     if qtype == "Q4_K":
         d, dmin = _f16(b[:, 0:2]).unsqueeze(-1), _f16(b[:, 2:4]).unsqueeze(-1)
         sc, mn = _q4_k_scale_min(b[:, 4:16])
         scale = (d * sc.float()).unsqueeze(-1)  # [B, 8, 1]
         off = (dmin * mn.float()).unsqueeze(-1)
-        # 4 chunks of 32 bytes; each gives 32 low nibbles (sub-block 2j) then 32 high (2j+1)
-        q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
-        return (scale * q - off).reshape(-1, 256)
+        return (scale * q.reshape(-1, 8, 32) - off).reshape(-1, 256)
     if qtype == "Q6_K":
-        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
         scales = b[:, 192:208].contiguous().view(torch.int8).float()
         d = _f16(b[:, 208:210]).unsqueeze(-1)
-        low = _nibbles(ql)  # [B, 2, 128]: 32-groups use ql[0:32], ql[32:64] low, then the same high
-        high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)  # [B, 2, 128]
-        q = (low | (high << 4)).to(torch.int8) - 32
-        return ((d * scales).unsqueeze(-1) * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
-    raise ValueError(f"no block dequantization for {qtype}")
+        return ((d * scales).unsqueeze(-1) * q.reshape(-1, 16, 16)).reshape(-1, 256)
+    return _f16(b[:, 0:2]).unsqueeze(-1) * q  # Q8_0, Q4_0, Q5_0: d * q
 
 
 def dequantize(qtype: str, blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -127,8 +134,7 @@ def dequantize(qtype: str, blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
         return raw.view(torch.float16).float()
     if qtype == "BF16":
         return raw.view(torch.bfloat16).float()
-    per_block, nbytes = GGML_BLOCKS[qtype]
-    return _dequant_blocks(qtype, raw.reshape(-1, nbytes)).reshape(n, n_cols)
+    return _dequant_blocks(qtype, raw.reshape(-1, GGML_BLOCKS[qtype][1])).reshape(n, n_cols)
 
 
 def _round_away(v: torch.Tensor) -> torch.Tensor:
@@ -216,32 +222,19 @@ def _int8_weight(qtype: str, blocks: torch.Tensor, n_cols: int) -> dict[str, tor
     them: w = d * q for Q8_0/Q4_0/Q5_0 (q signed, offset removed); Q4_K keeps its unsigned q with the
     6-bit scale `sc` and min `mn`; Q6_K's q is signed with two int8 scales per block (`sc` [N, K/32, 2])."""
     n = blocks.shape[0]
-    per_block, nbytes = GGML_BLOCKS[qtype]
-    b = blocks.contiguous().reshape(-1, nbytes)
+    b = blocks.contiguous().reshape(-1, GGML_BLOCKS[qtype][1])
+    q = _int_quants(qtype, b).reshape(n, n_cols)
     if qtype in ("Q8_0", "Q4_0", "Q5_0"):
-        if qtype == "Q8_0":
-            q = b[:, 2:].contiguous().view(torch.int8).to(torch.int32)
-        elif qtype == "Q4_0":
-            q = _nibbles(b[:, 2:]).to(torch.int32) - 8
-        else:
-            qh = b[:, 2:6].contiguous().view(torch.int32)
-            hi = (qh >> torch.arange(32, dtype=torch.int32)) & 1
-            q = (_nibbles(b[:, 6:]).to(torch.int32) | (hi << 4)) - 16
-        return {"q": q.reshape(n, n_cols), "d": _f16(b[:, 0:2]).reshape(n, -1)}
+        return {"q": q, "d": _f16(b[:, 0:2]).reshape(n, -1)}
     if qtype == "Q4_K":
         sc, mn = _q4_k_scale_min(b[:, 4:16])
-        q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 256).to(torch.int32)
         rep = lambda t: t.unsqueeze(-1).expand(-1, 8).reshape(n, -1)  # noqa: E731  (per super-block -> per group)
-        return {"q": q.reshape(n, n_cols), "sc": sc.to(torch.int32).reshape(n, -1),
+        return {"q": q, "sc": sc.to(torch.int32).reshape(n, -1),
                 "mn": mn.to(torch.int32).reshape(n, -1), "d": rep(_f16(b[:, 0:2])), "dmin": rep(_f16(b[:, 2:4]))}
-    if qtype == "Q6_K":
-        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
-        high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)
-        q = ((_nibbles(ql) | (high << 4)).to(torch.int32) - 32).reshape(n, n_cols)
-        sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.int32).reshape(n, -1, 2)
-        d = _f16(b[:, 208:210]).unsqueeze(-1).expand(-1, 8).reshape(n, -1)
-        return {"q": q, "sc": sc, "d": d}
-    raise ValueError(f"no int8 path for {qtype}; it serves {list(INT8_QTYPES)}")
+    # Q6_K (_int_quants raised for a type with no integer quants)
+    sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.int32).reshape(n, -1, 2)
+    d = _f16(b[:, 208:210]).unsqueeze(-1).expand(-1, 8).reshape(n, -1)
+    return {"q": q, "sc": sc, "d": d}
 
 
 def _int_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
