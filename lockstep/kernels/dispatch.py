@@ -80,9 +80,6 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
             q = q.contiguous()  # the kernel takes rows at any stride, but each row's heads packed
         return mod.decode_attention(q, k_buf, v_buf, slots, starts, lens, scaling, softcap or 0.0, window or 0)
 
-    def qk_norm_rope(qkv, n_q, n_kv, d, qw, kw, cos, sin, eps):  # noqa: ANN001, ANN202
-        mod.qk_norm_rope(qkv, n_q, n_kv, d, qw, kw, cos, sin, eps)
-
     def add_rms_norm(h, x, wx, wy, eps):  # noqa: ANN001, ANN202
         h2, y = mod.add_rms_norm(h, x, wx, wy, eps)
         return h2, (y if wy is not None else None)
@@ -96,7 +93,7 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
         "argmax": mod.argmax_rows,
         "rms_norm": mod.rms_norm,
         "add_rms_norm": add_rms_norm,
-        "qk_norm_rope": qk_norm_rope,
+        "qk_norm_rope": mod.qk_norm_rope,
         "act_and_mul": mod.act_and_mul,
     }
     if variant == "avx2" or not missing_flags("int8_vnni"):
