@@ -57,8 +57,6 @@ class TokenToKVPoolAllocator:
 class TokenToKVPool:
     def __init__(self, size: int, layer_ids: range, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str) -> None:
-        self.size = size
-        self.dtype = dtype
         shape = (size + 1, num_kv_heads, head_dim)
         # Keyed by global layer id: a pipeline stage holds K/V for its own layers only.
         self.k_buffer = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layer_ids}
