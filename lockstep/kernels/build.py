@@ -151,20 +151,13 @@ def _compile(variant: str, name: str, build_dir: Path) -> ModuleType:
     return module
 
 
-def _auto_variant() -> str:
-    for variant in VARIANTS:
-        if not missing_flags(variant):
-            return variant
-    return "torch"
-
-
 @functools.cache
 def selected() -> tuple[str, ModuleType | None]:
     """(variant, module) serving this process, decided once: the env override, else the best the CPU runs."""
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if forced and forced not in (*VARIANTS, "torch"):
         raise ValueError(f"{ISA_ENV}={forced!r}: choose avx512, avx2 or torch")
-    variant = forced or _auto_variant()
+    variant = forced or next((v for v in VARIANTS if not missing_flags(v)), "torch")
     if variant == "torch":
         why = f"{ISA_ENV}=torch" if forced else "this CPU lacks AVX2/FMA/F16C"
         logger.info("lockstep CPU kernels: serving on the torch reference (%s)", why)

@@ -9,7 +9,7 @@ the op's `takes`; anything else runs the reference, which gives the same numbers
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import Any
@@ -65,10 +65,6 @@ def _blocks_fit(x: torch.Tensor, blocks: torch.Tensor, kind: BlockType, n_cols: 
             and blocks.device.type == "cpu")
 
 
-def _parts_fit(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, BlockType]], n_cols: int) -> bool:
-    return all(_blocks_fit(x, b, kind, n_cols) for b, kind in parts)
-
-
 def _rows(*ts: torch.Tensor, dims: tuple[int, ...] = (2,)) -> bool:  # float32 CPU rows, each contiguous
     return _cpu_f32(*ts) and all(t.dim() in dims and t.stride(-1) == 1 for t in ts)
 
@@ -106,7 +102,8 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
 
 _TAKES: dict[str, Callable[..., bool]] = {
     "linear": _blocks_fit, "linear_int8": _blocks_fit, "linear_bf16": _blocks_fit,
-    "embedding": _blocks_fit, "linear_parts": _parts_fit,
+    "embedding": _blocks_fit,
+    "linear_parts": lambda x, parts, k: all(_blocks_fit(x, b, kind, k) for b, kind in parts),
     # head dim: whole vectors of 16
     "decode_attention": lambda q, k_buf, *_: _cpu_f32(q, k_buf) and q.shape[-1] % 16 == 0,
     "argmax": lambda x: _rows(x) and x.shape[1] > 0, "rms_norm": lambda x, w, eps: _rows(x) and _cpu_f32(w),
