@@ -34,9 +34,14 @@ class PagedAttention(nn.Module):
         meta = fb.attn
         assert meta is not None, "ForwardBatch.build_attention must run before the model"
         pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
-        if q.device.type == "cpu":
-            return self._rows(q, meta, pool)
-        return self._batched(q, fb, meta, pool)
+        if q.device.type != "cpu":
+            return self._batched(q, fb, meta, pool)
+        # Every query row alone, prefill rows as decode rows: the decode kernel, reading its keys in
+        # place from the pool. So a position's numbers are the same bits whether it is decoded,
+        # prefilled, prefilled over a cached prefix or in another chunk.
+        return decode_attention(q, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id],
+                                meta.kv_flat, meta.row_kv_starts, meta.row_kv_lens, self.scaling,
+                                self.softcap, self.window)
 
     def _batched(self, q: torch.Tensor, fb: ForwardBatch, meta: AttentionMetadata,
                  pool: TokenToKVPool) -> torch.Tensor:
@@ -61,14 +66,6 @@ class PagedAttention(nn.Module):
             out = self._matmul_attention(qp, keys, vals, mask)
         out = out.transpose(1, 2).reshape(b * qn, self.n_heads * self.head_dim)
         return out if qn == 1 and q.shape[0] == b else out[meta.q_scatter]
-
-    def _rows(self, q: torch.Tensor, meta: AttentionMetadata, pool: TokenToKVPool) -> torch.Tensor:
-        """Every query row alone, prefill rows as decode rows: the decode kernel, reading its keys
-        in place from the pool. So a position's numbers are the same bits whether it is decoded,
-        prefilled, prefilled over a cached prefix or in another chunk."""
-        return decode_attention(q, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id],
-                                meta.kv_flat, meta.row_kv_starts, meta.row_kv_lens, self.scaling,
-                                self.softcap, self.window)
 
     @staticmethod
     def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
