@@ -70,9 +70,8 @@ class Attention(nn.Module):
         cos, sin = rope[self.rope_key]
         d = self.head_dim
         if qkv.dtype == torch.float32:  # q/k norms and rotary in one fused call, in place in qkv
-            q_w = self.q_norm.scale if self.qk_norm else None
-            k_w = self.k_norm.scale if self.qk_norm else None
-            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q_w, k_w, eps = ((self.q_norm.scale, self.k_norm.scale, self.q_norm.eps)
+                             if self.qk_norm else (None, None, 0.0))
             q, k, v = kernels.qk_norm_rope(qkv, self.n_heads, self.n_kv, d, q_w, k_w, cos, sin, eps)
         else:
             q, k, v = self.qkv_proj.split(qkv)
