@@ -99,11 +99,17 @@ class ColumnParallelLinear(_BlockParts):
         self._init_parts()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockWeight) -> None:
-        start, end = self.tp.shard_range(loaded.shape[0])
+        self._load_rows(param, loaded, 0, *self.tp.shard_range(loaded.shape[0]),
+                        "column-parallel weight")
+
+    def _load_rows(self, dst: torch.Tensor, loaded: torch.Tensor | BlockWeight, key: Hashable,
+                   start: int, end: int, what: str) -> None:
+        """Checkpoint rows [start, end) into `dst` (rows of the float parameter), or for blocks
+        kept as part `key`; either must have dst's rows."""
         if isinstance(loaded, BlockWeight):
-            self._check_part(0, loaded.rows(start, end), self.out_local, self.in_features)
-            return
-        _copy(param, loaded[start:end], "column-parallel weight")
+            self._check_part(key, loaded.rows(start, end), dst.shape[0], self.in_features)
+        else:
+            _copy(dst, loaded[start:end], what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -122,11 +128,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                       shard_id: int = 0) -> None:
         offset = sum(self.out_sizes[:shard_id]) // self.tp.size
         size = self.out_sizes[shard_id] // self.tp.size
-        start, end = self.tp.shard_range(loaded.shape[0])
-        if isinstance(loaded, BlockWeight):
-            self._check_part(shard_id, loaded.rows(start, end), size, self.in_features)
-            return
-        _copy(param.data.narrow(0, offset, size), loaded[start:end], f"merged shard {shard_id}")
+        self._load_rows(param.data.narrow(0, offset, size), loaded, shard_id,
+                        *self.tp.shard_range(loaded.shape[0]), f"merged shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -162,10 +165,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             start, size = self.kv_head_start() * d, kv_size
             dst = q_size if shard_id == "k" else q_size + kv_size
-        if isinstance(loaded, BlockWeight):
-            self._check_part(shard_id, loaded.rows(start, start + size), size, self.in_features)
-            return
-        _copy(param.data.narrow(0, dst, size), loaded[start:start + size], f"qkv shard {shard_id}")
+        self._load_rows(param.data.narrow(0, dst, size), loaded, shard_id, start, start + size,
+                        f"qkv shard {shard_id}")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.head_dim
