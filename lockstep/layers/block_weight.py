@@ -8,7 +8,7 @@ the weight dequantizes it once at load instead (see `BlockLinearParts`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,17 +36,17 @@ class BlockWeight:
         return (self.blocks.shape[0], self.n_cols)
 
     def rows(self, start: int, end: int) -> BlockWeight:
-        return BlockWeight(self.blocks[start:end], self.qtype, self.n_cols, self.name)
+        return replace(self, blocks=self.blocks[start:end])
 
     def take_rows(self, index: torch.Tensor) -> BlockWeight:
-        return BlockWeight(self.blocks[index], self.qtype, self.n_cols, self.name)
+        return replace(self, blocks=self.blocks[index])
 
     def padded_rows(self, n: int) -> BlockWeight:
         """`n` rows: these, then zero bytes (zero values in every GGML type)."""
         extra = n - self.blocks.shape[0]
         if extra <= 0:
             return self
-        return BlockWeight(F.pad(self.blocks, (0, 0, 0, extra)), self.qtype, self.n_cols, self.name)
+        return replace(self, blocks=F.pad(self.blocks, (0, 0, 0, extra)))
 
     def shard_cols(self, rank: int, size: int) -> BlockWeight:
         """Rank `rank`'s share of the input dimension, in whole blocks (a contiguous copy)."""
@@ -60,7 +60,7 @@ class BlockWeight:
         local = self.n_cols // size
         width = local // per_block * block_bytes
         part = self.blocks[:, rank * width:(rank + 1) * width].contiguous()
-        return BlockWeight(part, self.qtype, local, self.name)
+        return replace(self, blocks=part, n_cols=local)
 
     def dequantize(self) -> torch.Tensor:
         return kernels.dequantize(self.qtype, self.blocks, self.n_cols)
@@ -119,7 +119,7 @@ def settle(parts: list[BlockWeight], dtype: torch.dtype, device: torch.device,
     for w in parts:
         part: Part = w
         if int8 and w.qtype in kernels.INT8_QTYPES:
-            part = BlockWeight(w.blocks, w.qtype, w.n_cols, w.name, int8_activations=True)
+            part = replace(w, int8_activations=True)
         elif not uses_kernel(w, dtype, device):
             part = w.dequantize().to(device=device, dtype=dtype)
             dequantized.append(w.qtype)
@@ -129,8 +129,7 @@ def settle(parts: list[BlockWeight], dtype: torch.dtype, device: torch.device,
         elif (isinstance(prev, BlockWeight) and isinstance(part, BlockWeight)
               and (prev.qtype, prev.n_cols, prev.int8_activations)
               == (part.qtype, part.n_cols, part.int8_activations)):
-            settled[-1] = BlockWeight(torch.cat([prev.blocks, part.blocks]), part.qtype,
-                                      part.n_cols, prev.name, part.int8_activations)
+            settled[-1] = replace(prev, blocks=torch.cat([prev.blocks, part.blocks]))
         else:
             settled.append(part)
     return settled, dequantized
