@@ -4,26 +4,22 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from lockstep.configs.model_config import ModelConfig
 from lockstep.core import ForwardBatch
 from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
-from lockstep.layers.norm import RMSNorm, add_norm
+from lockstep.layers.norm import add_norm
 from lockstep.mem_cache.memory_pool import TokenToKVPool
-from lockstep.models.llama import MLP, Attention, LlamaForCausalLM, RopeTables
+from lockstep.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RopeTables
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    gemma_norms = True
+
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelGroup, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg, layer_id, tp, dtype)
-        self.mlp = MLP(cfg, tp, dtype)
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=True)  # noqa: E731
-        self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()
-        self.pre_feedforward_layernorm = norm()
-        self.post_feedforward_layernorm = norm()
+        super().__init__(cfg, layer_id, tp, dtype)
+        self.pre_feedforward_layernorm = self.norm(cfg, dtype)
+        self.post_feedforward_layernorm = self.norm(cfg, dtype)
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
                 rope: RopeTables) -> torch.Tensor:
@@ -34,7 +30,6 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma3DecoderLayer
-    gemma_norms = True
 
     def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,
                  pp: PipelineGroup = NO_PIPELINE) -> None:

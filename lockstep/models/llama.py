@@ -96,12 +96,17 @@ class MLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    gemma_norms = False  # True: the RMSNorms scale by (1 + w) (Gemma)
+
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, tp, dtype)
         self.mlp = MLP(cfg, tp, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = self.norm(cfg, dtype)
+        self.post_attention_layernorm = self.norm(cfg, dtype)
+
+    def norm(self, cfg: ModelConfig, dtype: torch.dtype) -> RMSNorm:
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.gemma_norms)
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
                 rope: RopeTables) -> torch.Tensor:
@@ -111,8 +116,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    layer_cls: type[nn.Module] = LlamaDecoderLayer
-    gemma_norms = False
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,
                  pp: PipelineGroup = NO_PIPELINE) -> None:
@@ -134,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
                 cfg.vocab_size, cfg.hidden_size, tp, dtype,
                 serves_logits=pp.is_last and cfg.tie_word_embeddings)
         if pp.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.gemma_norms)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.layer_cls.gemma_norms)
             self.lm_head = (
                 self.embed_tokens if cfg.tie_word_embeddings
                 else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
