@@ -138,7 +138,8 @@ class LlamaForCausalLM(nn.Module):
                 cfg.vocab_size, cfg.hidden_size, tp, dtype,
                 serves_logits=pp.is_last and cfg.tie_word_embeddings)
         if pp.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.layer_cls.gemma_norms)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                gemma=self.layer_cls.gemma_norms)
             self.lm_head = (
                 self.embed_tokens if cfg.tie_word_embeddings
                 else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
