@@ -105,8 +105,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = self.norm(cfg, dtype)
         self.post_attention_layernorm = self.norm(cfg, dtype)
 
-    def norm(self, cfg: ModelConfig, dtype: torch.dtype) -> RMSNorm:
-        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=self.gemma_norms)
+    @classmethod
+    def norm(cls, cfg: ModelConfig, dtype: torch.dtype) -> RMSNorm:
+        """An RMSNorm over the hidden size, of this layer's kind (the model's final norm too)."""
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, gemma=cls.gemma_norms)
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
                 rope: RopeTables) -> torch.Tensor:
@@ -138,8 +140,7 @@ class LlamaForCausalLM(nn.Module):
                 cfg.vocab_size, cfg.hidden_size, tp, dtype,
                 serves_logits=pp.is_last and cfg.tie_word_embeddings)
         if pp.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
-                                gemma=self.layer_cls.gemma_norms)
+            self.norm = self.layer_cls.norm(cfg, dtype)
             self.lm_head = (
                 self.embed_tokens if cfg.tie_word_embeddings
                 else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
