@@ -25,14 +25,15 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import signal
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import pydantic
@@ -43,17 +44,16 @@ from lockstep.detokenizer.detokenizer_manager import run_detokenizer_process
 from lockstep.detokenizer.incremental_detokenizer import load_tokenizer
 from lockstep.entrypoints.errors import format_validation_error
 from lockstep.entrypoints.fanout import (
-    Fanout,
     run_to_completion,
     sglang_chunks,
     sglang_output,
     start_stream,
 )
 from lockstep.entrypoints.generate_request import GenerateReqInput
-from lockstep.entrypoints.tokenizer_manager import GenerateOutput, TokenizerManager
+from lockstep.entrypoints.tokenizer_manager import TokenizerManager
 from lockstep.managers.data_parallel_controller import run_data_parallel_controller
 from lockstep.managers.scheduler_process import run_scheduler_process
-from lockstep.messages import ReqOutput
+from lockstep.messages import ReqOutput, TokenizedGenerateReq
 from lockstep.model_loader import resolve_model
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import kill_tree
@@ -107,8 +107,6 @@ class Launched:
 
         def loop() -> None:
             sentinels = {p.sentinel: p for p in self.children}
-            from multiprocessing.connection import wait
-
             while not self._stopping:
                 ready = wait(list(sentinels), timeout=1.0)
                 if ready and not self._stopping:
@@ -139,6 +137,16 @@ def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
     ctx = mp.get_context("spawn")
     children: list[mp.Process] = []
     pipes = []
+
+    def spawn(name: str, target: Callable[..., None], *child_args: Any, **kwargs: Any) -> None:
+        """Start `target(*child_args, **kwargs, pipe=...)`; it reports ready over the pipe."""
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=target, name=name, args=child_args,
+                        kwargs={**kwargs, "pipe": writer})
+        p.start()
+        children.append(p)
+        pipes.append((p, reader))
+
     per_node = args.tp_size * args.pp_size // args.nnodes
     first = args.node_rank * per_node
     threads = _threads_per_rank(args)
@@ -146,27 +154,13 @@ def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
     for dp_rank, rports in enumerate(replica_ports):
         for global_rank in range(first, first + per_node):
             pp_rank, tp_rank = divmod(global_rank, args.tp_size)
-            reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=run_scheduler_process,
-                            name=f"scheduler-DP{dp_rank}-TP{tp_rank}-PP{pp_rank}",
-                            args=(args, rports, tp_rank, pp_rank, threads, writer, dp_rank))
-            p.start()
-            children.append(p)
-            pipes.append((p, reader))
+            spawn(f"scheduler-DP{dp_rank}-TP{tp_rank}-PP{pp_rank}", run_scheduler_process,
+                  args, rports, tp_rank, pp_rank, threads, dp_rank=dp_rank)
     if args.dp_size > 1:
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=run_data_parallel_controller, name="data-parallel-controller",
-                        args=(args, ports, [r.scheduler_input_ipc for r in replica_ports], writer))
-        p.start()
-        children.append(p)
-        pipes.append((p, reader))
+        spawn("data-parallel-controller", run_data_parallel_controller, args, ports,
+              [r.scheduler_input_ipc for r in replica_ports])
     if args.node_rank == 0:
-        reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=run_detokenizer_process, name="detokenizer",
-                        args=(args, ports, writer), daemon=False)
-        p.start()
-        children.append(p)
-        pipes.append((p, reader))
+        spawn("detokenizer", run_detokenizer_process, args, ports)
     launched = Launched(args, ports, children, None)
     try:
         infos = [_wait_ready(p, r, ready_timeout) for p, r in pipes]
@@ -190,19 +184,15 @@ def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
     return launched
 
 
-def _wait_ready(proc: mp.Process, reader, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if reader.poll(0.2):
-            try:
-                msg = reader.recv()
-            except EOFError:
-                break
+def _wait_ready(proc: mp.Process, reader: Connection, timeout: float) -> dict[str, Any]:
+    """The child's ready message; LaunchError with the child's own message when it failed, or
+    when it exited or timed out without a word."""
+    if wait([reader, proc.sentinel], timeout) and reader.poll():
+        with contextlib.suppress(EOFError):
+            msg = reader.recv()
             if msg.get("status") == "ready":
                 return msg
             raise LaunchError(msg.get("message", f"{proc.name} failed to start"))
-        if not proc.is_alive():
-            break
     proc.join(timeout=5)
     if proc.is_alive():
         raise LaunchError(f"{proc.name} did not become ready within {timeout:.0f} s")
@@ -264,26 +254,16 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lockstep-engine",
                                         daemon=True)
-        self._thread.start()
-        try:
-            self._call(self._start())
-        except BaseException:
-            self.shutdown()
-            raise
+        self._thread.start()  # the tokenizer manager starts on it with the first request
         self._launched.watch(self._on_child_death)
         atexit.register(self.shutdown)
 
-    async def _start(self) -> None:
-        self.tokenizer_manager.start()
-
     # ---- plumbing ------------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-        if self._closed:
+        if self._closed or self._dead:
             coro.close()
-            raise RuntimeError("the engine has been shut down")
-        if self._dead:
-            coro.close()
-            raise RuntimeError(f"the engine is dead: {self._dead}")
+            raise RuntimeError("the engine has been shut down" if self._closed
+                               else f"the engine is dead: {self._dead}")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
@@ -306,8 +286,10 @@ class Engine:
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fail_pending)
 
-    def _requests(self, prompt: Any, sampling_params: Any, input_ids: Any, stream: bool,
-                  **extra: Any) -> tuple[list[Any], bool]:
+    def _request(self, prompt: Any, sampling_params: Any, input_ids: Any, stream: bool,
+                 **extra: Any) -> Coroutine[Any, Any, Any]:
+        """The request, validated here (a ValueError with the server's message), as the
+        coroutine that runs it on the engine's loop."""
         body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
                 "stream": stream, **extra}
         try:
@@ -315,14 +297,15 @@ class Engine:
             singles = obj.normalize()
         except pydantic.ValidationError as e:
             raise ValueError(format_validation_error(e)) from None
-        return singles, obj.is_batch or len(singles) > 1
+        return self._run(singles, obj.is_batch or len(singles) > 1, stream)
 
-    def _chunks(self, fan: Fanout, many: bool) -> AsyncIterator[dict[str, Any]]:
-        return sglang_chunks(fan, self.server_args.incremental_streaming_output, many)
-
-    @staticmethod
-    def _shape(finals: list[GenerateOutput], many: bool) -> Any:
-        outs = [sglang_output(f) for f in finals]
+    async def _run(self, singles: list[TokenizedGenerateReq], many: bool, stream: bool) -> Any:
+        """SGLang's output (a list when `many`), or, streaming, the async iterator of its chunks."""
+        tm = self.tokenizer_manager
+        if stream:
+            fan = await start_stream(tm, singles, None)
+            return sglang_chunks(fan, self.server_args.incremental_streaming_output, many)
+        outs = [sglang_output(f) for f in await run_to_completion(tm, singles, None)]
         return outs if many else outs[0]
 
     # ---- API -----------------------------------------------------------------------------
@@ -335,23 +318,15 @@ class Engine:
                  stream: bool = False) -> Any:
         """One dict per prompt (a list for a list, or n > 1); with stream=True an iterator of
         chunks. Bad input raises ValueError with the same message the server would send."""
-        singles, many = self._requests(
+        out = self._call(self._request(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, rid=rid)
-        tm = self.tokenizer_manager
-        if not stream:
-            return self._shape(self._call(run_to_completion(tm, singles, None)), many)
-        fan = self._call(start_stream(tm, singles, None))
-        return self._sync_stream(self._chunks(fan, many))
+            return_text_in_logprobs=return_text_in_logprobs, rid=rid))
+        return self._sync_stream(out) if stream else out
 
     def _sync_stream(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         try:
-            while True:
-                chunk = self._call(_anext(agen))
-                if chunk is _END:
-                    return
-                yield chunk
+            yield from iter(lambda: self._call(_anext(agen)), _END)
         finally:  # also when the caller stops early: the requests are aborted
             if not self._closed and not self._loop.is_closed():
                 asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop)
@@ -365,15 +340,11 @@ class Engine:
                              return_text_in_logprobs: bool | None = None,
                              rid: str | list[str] | None = None, stream: bool = False) -> Any:
         """As `generate`, from any event loop; with stream=True it returns an async iterator."""
-        singles, many = self._requests(
+        out = await self._await(self._request(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, rid=rid)
-        tm = self.tokenizer_manager
-        if not stream:
-            return self._shape(await self._await(run_to_completion(tm, singles, None)), many)
-        fan = await self._await(start_stream(tm, singles, None))
-        return self._async_stream(self._chunks(fan, many))
+            return_text_in_logprobs=return_text_in_logprobs, rid=rid))
+        return self._async_stream(out) if stream else out
 
     async def _async_stream(self, agen: AsyncIterator[dict[str, Any]]
                             ) -> AsyncIterator[dict[str, Any]]:
@@ -413,7 +384,6 @@ class Engine:
         self._launched.shutdown()
         if not self._loop.is_running():
             self._loop.close()
-        self.tokenizer_manager.ctx.destroy(linger=0)
 
     def __enter__(self) -> Engine:
         return self

@@ -9,7 +9,6 @@ only while the server is ready: 503 while starting, draining, or after a child p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -108,12 +107,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     metrics = Metrics(tm, openai.model_name)
     started = time.time()
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        tm.start()
-        yield
-
-    app = FastAPI(title="lockstep", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="lockstep", version=__version__,
                   description="SGLang's native API and OpenAI's, served by lockstep.",
                   openapi_url="/openapi.json", docs_url=None, redoc_url=None,
                   generate_unique_id_function=_operation_id,
