@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +79,13 @@ Tops = list[list[TokenLogprob] | None]
 
 
 class _LogprobCursor:
-    """What part of a request's cumulative logprobs a stream has already sent."""
+    """What part of a request's cumulative logprobs a stream has already sent (and, for a
+    completion's logprobs, the text offset they reached)."""
 
     def __init__(self) -> None:
         self.prompt_sent = False
         self.out_sent = 0
+        self.text_offset = 0
 
     def take(self, item: GenerateOutput, with_prompt: bool) -> tuple[Entries, Tops]:
         entries: Entries = []
@@ -204,72 +207,40 @@ class OpenAIServing:
     # ---- /v1/completions --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
-        want_lp = req.logprobs is not None
         prompts = req.prompts()
         singles = fan_out(
             prompts, [req.to_sampling_params()] * len(prompts), limit=self.args.max_batch_size,
-            stream=req.stream, return_logprob=want_lp,
-            logprob_start_len=0 if (want_lp and req.echo) else -1,
+            stream=req.stream, return_logprob=req.logprobs is not None,
+            logprob_start_len=0 if (req.logprobs is not None and req.echo) else -1,
             top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True)
-        prompts_text = ([t if t is not None else self.tm.tokenizer.decode(ids)
-                         for t, ids in prompts] if req.echo else None)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        if req.stream:
-            fan = await start_stream(self.tm, singles, request)
-            return SSEResponse(self._completion_stream(fan, req, singles, prompts_text, rid,
-                                                       created))
-        finals = await run_to_completion(self.tm, singles, request)
-        choices = []
-        for index, (s, item) in enumerate(zip(singles, finals)):
-            prefix = prompts_text[s.prompt_index] if prompts_text else ""
-            lp = None
-            if want_lp:
-                entries, tops = _LogprobCursor().take(item, with_prompt=req.echo)
-                lp = completion_logprobs(entries, tops, req.logprobs or 0)
-            finish, matched = finish_of(item)
-            choices.append(CompletionChoice(index=index, text=prefix + item.text, logprobs=lp,
-                                            finish_reason=finish, matched_stop=matched))
-        resp = CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
-                                  usage=usage_of(singles, finals))
-        return json_response(resp.model_dump())
-
-    async def _completion_stream(self, fan: Fanout, req: CompletionRequest,
-                                 singles: list[TokenizedGenerateReq], prompts_text: list[str] | None,
-                                 rid: str, created: int) -> AsyncIterator[bytes]:
+        echoed = ([t if t is not None else self.tm.tokenizer.decode(ids) for t, ids in prompts]
+                  if req.echo else None)
         cursors = [_LogprobCursor() for _ in singles]
-        offsets = [0] * len(singles)
-        finals: list[GenerateOutput | None] = [None] * len(singles)
-        want_lp = req.logprobs is not None
-        try:
-            async for index, item in fan.items():
-                s = singles[index]
-                text = item.text_delta
-                if prompts_text is not None and not cursors[index].prompt_sent:
-                    text = prompts_text[s.prompt_index] + text
-                lp = None
-                if want_lp:
-                    entries, tops = cursors[index].take(item, with_prompt=req.echo)
-                    lp = completion_logprobs(entries, tops, req.logprobs or 0, offsets[index])
-                    offsets[index] += sum(len(t) for t in lp.tokens)
-                else:
-                    cursors[index].prompt_sent = True
-                finish, matched = finish_of(item)
-                finals[index] = item
-                if not text and finish is None and not (lp and lp.tokens):
-                    continue
-                chunk = CompletionStreamResponse(
-                    id=rid, created=created, model=self.model_name,
-                    choices=[CompletionChoice(index=index, text=text, logprobs=lp,
-                                              finish_reason=finish, matched_stop=matched)])
-                yield sse(_without_null_usage(chunk))
-            if req.stream_options is not None and req.stream_options.include_usage:
-                chunk = CompletionStreamResponse(id=rid, created=created, model=self.model_name,
-                                                 choices=[], usage=usage_of(singles, finals))
-                yield sse(chunk)
-            yield SSE_DONE
-        finally:
-            fan.close()
+
+        def choice(index: int, item: GenerateOutput, text: str, cursor: _LogprobCursor
+                   ) -> CompletionChoice:
+            """A whole reply (`text` all of it), or a stream's delta: the prompt comes first
+            with echo, and the logprobs are what `cursor` has not sent yet."""
+            if echoed is not None and not cursor.prompt_sent:
+                text = echoed[singles[index].prompt_index] + text
+            lp = None
+            if req.logprobs is not None:
+                entries, tops = cursor.take(item, with_prompt=req.echo)
+                lp = completion_logprobs(entries, tops, req.logprobs, cursor.text_offset)
+                cursor.text_offset += sum(len(t) for t in lp.tokens)
+            cursor.prompt_sent = True
+            finish, matched = finish_of(item)
+            return CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish,
+                                    matched_stop=matched)
+
+        def step(index: int, item: GenerateOutput) -> Iterator[CompletionChoice]:
+            c = choice(index, item, item.text_delta, cursors[index])
+            if c.text or c.finish_reason is not None or (c.logprobs and c.logprobs.tokens):
+                yield c
+
+        return await self._respond(
+            req, request, singles, "cmpl", CompletionResponse, CompletionStreamResponse,
+            lambda index, item: choice(index, item, item.text, _LogprobCursor()), step)
 
     # ---- /v1/chat/completions ---------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request | None) -> Response:
@@ -284,78 +255,89 @@ class OpenAIServing:
             top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True)
         thinking = self.reasoning_parsers(req, prompt, params.json_schema is not None,
                                           len(singles))
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        if req.stream:
-            fan = await start_stream(self.tm, singles, request)
-            return SSEResponse(self._chat_stream(fan, req, singles, rid, created, plan, thinking))
-        finals = await run_to_completion(self.tm, singles, request)
-        choices = []
-        for index, (item, think) in enumerate(zip(finals, thinking)):
+
+        def whole(index: int, item: GenerateOutput) -> ChatCompletionChoice:
             lp = None
             if req.logprobs:
                 lp = chat_logprobs(*_LogprobCursor().take(item, with_prompt=False))
             finish, matched = finish_of(item)
+            think = thinking[index]
             reasoning, text = think.parse(item.text) if think is not None else (None, item.text)
             content, calls, finish = complete_reply(plan, text, finish)
-            choices.append(ChatCompletionChoice(
+            return ChatCompletionChoice(
                 index=index, message=ChatResponseMessage(
                     content=content, reasoning_content=reasoning, tool_calls=calls),
-                logprobs=lp, finish_reason=finish, matched_stop=matched))
-        resp = ChatCompletionResponse(id=rid, created=created, model=self.model_name,
-                                      choices=choices, usage=usage_of(singles, finals))
-        return json_response(resp.model_dump())
+                logprobs=lp, finish_reason=finish, matched_stop=matched)
 
-    async def _chat_stream(self, fan: Fanout, req: ChatCompletionRequest,
-                           singles: list[TokenizedGenerateReq], rid: str, created: int,
-                           plan: ToolPlan | None, thinking: list[ReasoningParser | None]
-                           ) -> AsyncIterator[bytes]:
         cursors = [_LogprobCursor() for _ in singles]
         tools = [ToolCallStream(plan) if plan is not None else None for _ in singles]
         started = [False] * len(singles)
+
+        def step(index: int, item: GenerateOutput) -> Iterator[ChatCompletionStreamChoice]:
+            if not started[index]:
+                started[index] = True
+                yield ChatCompletionStreamChoice(
+                    index=index, delta=DeltaMessage(role="assistant", content=""))
+            lp = None
+            if req.logprobs:
+                lp = chat_logprobs(*cursors[index].take(item, with_prompt=False))
+            text, calls = item.text_delta, []
+            finish, matched = finish_of(item)
+            think = thinking[index]
+            if think is not None:  # the parser holds back what may be a marker
+                reasoning, text = _feed(think, text, finish is not None)
+                if reasoning:
+                    yield ChatCompletionStreamChoice(
+                        index=index, delta=DeltaMessage(reasoning_content=reasoning))
+            stream = tools[index]
+            if stream is not None:  # the parser holds back what may be call markup
+                text, calls = _feed(stream, text, finish is not None)
+                if finish is not None:
+                    finish = finish_reason(finish, stream.has_calls)
+            if text or (lp and lp.content):
+                yield ChatCompletionStreamChoice(
+                    index=index, delta=DeltaMessage(content=text), logprobs=lp)
+            if calls:
+                yield ChatCompletionStreamChoice(index=index, delta=DeltaMessage(tool_calls=calls))
+            if finish is not None:
+                yield ChatCompletionStreamChoice(index=index, delta=DeltaMessage(),
+                                                 finish_reason=finish, matched_stop=matched)
+
+        return await self._respond(req, request, singles, "chatcmpl", ChatCompletionResponse,
+                                   ChatCompletionStreamResponse, whole, step)
+
+    # ---- both -------------------------------------------------------------------------
+    async def _respond(self, req: CompletionRequest | ChatCompletionRequest,
+                       request: Request | None, singles: list[TokenizedGenerateReq], kind: str,
+                       response: type[Any], chunk: type[Any],
+                       whole: Callable[[int, GenerateOutput], Any],
+                       step: Callable[[int, GenerateOutput], Iterable[Any]]) -> Response:
+        """Runs the singles: the `response` with `whole(index, final output)` as the choices,
+        or a stream of `chunk`s, one per choice that `step(index, output)` gives."""
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            fan = await start_stream(self.tm, singles, request)
+            return SSEResponse(self._stream(fan, req, singles, step, partial(
+                chunk, id=rid, created=created, model=self.model_name)))
+        finals = await run_to_completion(self.tm, singles, request)
+        resp = response(id=rid, created=created, model=self.model_name,
+                        choices=[whole(index, item) for index, item in enumerate(finals)],
+                        usage=usage_of(singles, finals))
+        return json_response(resp.model_dump())
+
+    async def _stream(self, fan: Fanout, req: CompletionRequest | ChatCompletionRequest,
+                      singles: list[TokenizedGenerateReq],
+                      step: Callable[[int, GenerateOutput], Iterable[Any]],
+                      chunk: Callable[..., Any]) -> AsyncIterator[bytes]:
         finals: list[GenerateOutput | None] = [None] * len(singles)
-
-        def chunk(choice: ChatCompletionStreamChoice) -> bytes:
-            return sse(_without_null_usage(ChatCompletionStreamResponse(
-                id=rid, created=created, model=self.model_name, choices=[choice])))
-
         try:
             async for index, item in fan.items():
                 finals[index] = item
-                if not started[index]:
-                    started[index] = True
-                    yield chunk(ChatCompletionStreamChoice(
-                        index=index, delta=DeltaMessage(role="assistant", content="")))
-                lp = None
-                if req.logprobs:
-                    lp = chat_logprobs(*cursors[index].take(item, with_prompt=False))
-                text, calls = item.text_delta, []
-                finish, matched = finish_of(item)
-                think = thinking[index]
-                if think is not None:  # the parser holds back what may be a marker
-                    reasoning, text = _feed(think, text, finish is not None)
-                    if reasoning:
-                        yield chunk(ChatCompletionStreamChoice(
-                            index=index, delta=DeltaMessage(reasoning_content=reasoning)))
-                stream = tools[index]
-                if stream is not None:  # the parser holds back what may be call markup
-                    text, calls = _feed(stream, text, finish is not None)
-                    if finish is not None:
-                        finish = finish_reason(finish, stream.has_calls)
-                if text or (lp and lp.content):
-                    yield chunk(ChatCompletionStreamChoice(
-                        index=index, delta=DeltaMessage(content=text), logprobs=lp))
-                if calls:
-                    yield chunk(ChatCompletionStreamChoice(
-                        index=index, delta=DeltaMessage(tool_calls=calls)))
-                if finish is not None:
-                    yield chunk(ChatCompletionStreamChoice(
-                        index=index, delta=DeltaMessage(), finish_reason=finish,
-                        matched_stop=matched))
+                for choice in step(index, item):
+                    yield sse(_without_null_usage(chunk(choices=[choice])))
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield sse(ChatCompletionStreamResponse(
-                    id=rid, created=created, model=self.model_name, choices=[],
-                    usage=usage_of(singles, finals)))
+                yield sse(chunk(choices=[], usage=usage_of(singles, finals)))
             yield SSE_DONE
         finally:
             fan.close()
