@@ -7,6 +7,7 @@ seconds) and then ends every process; SIGINT ends them at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import signal
 import socket
@@ -58,7 +59,7 @@ def _uvicorn_config(app: Any, args: ServerArgs, **overrides: Any) -> uvicorn.Con
     return uvicorn.Config(**{
         "app": app, "log_config": None, "log_level": args.log_level,
         "access_log": args.log_level == "debug", "timeout_graceful_shutdown": 5,
-        "timeout_keep_alive": args.timeout_keep_alive, "lifespan": "on", "loop": "none",
+        "timeout_keep_alive": args.timeout_keep_alive, "lifespan": "on",
         "http": BoundedH11Protocol.limits(args.timeout_request_read, args.max_connections),
         **overrides})
 
@@ -98,36 +99,50 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's Server, except that SIGTERM drains first: the status turns "draining" (new
     generations and /health get 503), running requests get up to --graceful-shutdown-timeout
     seconds to finish, what is left is aborted, and then uvicorn shuts down as usual. A second
-    SIGTERM, or SIGINT, stops at once."""
+    SIGTERM, or SIGINT, stops at once. The status turns "ready" once uvicorn has started."""
 
     def __init__(self, config: uvicorn.Config, status: ServerStatus, launched: Launched) -> None:
         super().__init__(config)
         self.status = status
         self.launched = launched
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.drain_task: asyncio.Task | None = None
+        self.drain: concurrent.futures.Future | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if not self.started:
+            return
+        self.status.phase = "ready"
+        args, info = self.launched.args, self.launched.info
+        logger.info("model %s: context %s tokens, KV pool %s tokens",
+                    args.model_path or "(default) Gemma 3 270M", info.get("context_len"),
+                    info.get("max_total_num_tokens"))
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        logger.info("serving on http://%s:%s", host, args.port)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if (sig == signal.SIGTERM and self.status.phase == "ready" and self.loop is not None
                 and not self.should_exit):
             self.status.phase = "draining"
-            self.loop.call_soon_threadsafe(self._begin_drain)
+            self.drain = asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
             return
         super().handle_exit(sig, frame)
-
-    def _begin_drain(self) -> None:
-        self.drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         tm = self.launched.tokenizer_manager
         assert tm is not None
         grace = self.launched.args.graceful_shutdown_timeout
         loop = asyncio.get_running_loop()
+
+        async def settle(seconds: float) -> None:  # until every request is done, at most that
+            end = loop.time() + seconds
+            while tm.states and loop.time() < end:
+                await asyncio.sleep(0.05)
+
         logger.info("SIGTERM: refusing new requests; %d running request(s) get up to %g s to "
                     "finish", len(tm.states), grace)
-        deadline = loop.time() + grace
-        while tm.states and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await settle(grace)
         if tm.states:
             rids = list(tm.states)
             logger.warning("graceful shutdown: %d request(s) still running after %g s; aborting "
@@ -135,9 +150,7 @@ class DrainingServer(uvicorn.Server):
             reason = FINISH_ABORT("the server is shutting down", status_code=503)
             for rid in rids:
                 await tm.abort(rid, reason)
-            end = loop.time() + ABORT_GRACE_S
-            while tm.states and loop.time() < end:
-                await asyncio.sleep(0.05)
+            await settle(ABORT_GRACE_S)
         else:
             logger.info("graceful shutdown: every request finished")
         super().handle_exit(signal.SIGTERM, None)
@@ -181,37 +194,7 @@ def launch_server(args: ServerArgs) -> None:
         app = create_app(launched, status)
         if responder is not None:  # the real server takes over the socket (and uvicorn's logs)
             responder.stop()
-        server = DrainingServer(_uvicorn_config(app, args), status, launched)
-
-        async def main() -> None:
-            server.loop = asyncio.get_running_loop()
-
-            async def announce() -> None:
-                while not server.started:
-                    await asyncio.sleep(0.05)
-                status.phase = "ready"
-                info = launched.info
-                logger.info("model %s: context %s tokens, KV pool %s tokens",
-                            args.model_path or "(default) Gemma 3 270M", info.get("context_len"),
-                            info.get("max_total_num_tokens"))
-                host = f"[{args.host}]" if ":" in args.host else args.host
-                logger.info("serving on http://%s:%s", host, args.port)
-
-            task = asyncio.get_running_loop().create_task(announce())
-            try:
-                await server.serve(sockets=[sock])
-            finally:
-                task.cancel()
-
-        _run(main())
+        DrainingServer(_uvicorn_config(app, args), status, launched).run(sockets=[sock])
     finally:
         launched.shutdown()
 
-
-def _run(coro: Any) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
