@@ -86,7 +86,7 @@ class Launched:
         info = self.args.info()
         info.update({k: self.info[k] for k in ("model_path", "tokenizer_path", "served_model_name")})
         info.update(max_total_num_tokens=tm.max_total_num_tokens, context_len=tm.context_len,
-                    vocab_size=tm.vocab_size, num_running_requests=tm.num_running)
+                    vocab_size=tm.vocab_size, num_running_requests=len(tm.states))
         return info
 
     def shutdown(self) -> None:

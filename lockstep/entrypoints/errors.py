@@ -23,22 +23,16 @@ logger = logging.getLogger(__name__)
 
 _MESSAGES: dict[str, str] = {
     "missing": "is required",
-    "extra_forbidden": "unknown field (not supported by this server)",
     "finite_number": "must be a finite number",
-    "int_type": "must be an integer",
-    "int_parsing": "must be an integer",
-    "int_from_float": "must be an integer",
-    "float_type": "must be a number",
-    "float_parsing": "must be a number",
-    "bool_type": "must be a boolean",
-    "bool_parsing": "must be a boolean",
     "string_type": "must be a string",
     "list_type": "must be a list",
-    "dict_type": "must be an object",
-    "model_type": "must be an object",
-    "model_attributes_type": "must be an object",
-    "dataclass_type": "must be an object",
-    "unexpected_keyword_argument": "unknown field (not supported by this server)",
+    **dict.fromkeys(("extra_forbidden", "unexpected_keyword_argument"),
+                    "unknown field (not supported by this server)"),
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "must be an integer"),
+    **dict.fromkeys(("float_type", "float_parsing"), "must be a number"),
+    **dict.fromkeys(("bool_type", "bool_parsing"), "must be a boolean"),
+    **dict.fromkeys(("dict_type", "model_type", "model_attributes_type", "dataclass_type"),
+                    "must be an object"),
 }
 
 

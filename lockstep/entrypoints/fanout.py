@@ -45,16 +45,23 @@ class Fanout:
         self.open = len(singles)
 
     async def _pump(self, index: int, single: TokenizedGenerateReq) -> None:
+        err = None
         try:
             async with contextlib.aclosing(self.tm.generate(single)) as gen:
                 async for item in gen:
                     self.queue.put_nowait((index, item, None))
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - handed to the consumer
-            self.queue.put_nowait((index, None, e))
-            return
-        self.queue.put_nowait((index, None, None))
+            err = e
+        self.queue.put_nowait((index, None, err))
+
+    async def _next(self) -> tuple[int, GenerateOutput | None]:
+        """The next output; None when that request has ended. Raises what a request raised."""
+        index, item, err = await self.queue.get()
+        if err is not None:
+            raise err
+        if item is None:
+            self.open -= 1
+        return index, item
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -62,18 +69,14 @@ class Fanout:
         waiting = set(range(len(self.singles)))
         try:
             while waiting:
-                index, item, err = await self.queue.get()
-                if err is not None:
-                    raise err
+                index, item = await self._next()
+                waiting.discard(index)
                 if item is None:  # ended without output: cannot happen, but never hang on it
-                    self.open -= 1
-                    waiting.discard(index)
                     continue
                 refused = abort_error(item)
                 if refused is not None:
                     raise refused
                 self.buffer.append((index, item))
-                waiting.discard(index)
         except BaseException:
             self.close()
             raise
@@ -83,13 +86,9 @@ class Fanout:
         for entry in buffered:
             yield entry
         while self.open:
-            index, item, err = await self.queue.get()
-            if err is not None:
-                raise err
-            if item is None:
-                self.open -= 1
-                continue
-            yield index, item
+            index, item = await self._next()
+            if item is not None:
+                yield index, item
 
     async def collect(self) -> list[GenerateOutput]:
         """The last output of every request, by index (non-streaming)."""

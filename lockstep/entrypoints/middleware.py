@@ -32,14 +32,10 @@ class ServerStatus:
         self.phase = "starting"
         self.launched = launched  # a Launched: its `failed` says why a child died
 
-    @property
-    def dead(self) -> str | None:
-        return self.launched.failed if self.launched is not None else None
-
     def unavailable(self) -> str | None:
         """Why the server takes no new requests now, or None when it does."""
-        if self.dead:
-            return f"the server is going down: {self.dead}"
+        if self.launched is not None and self.launched.failed:
+            return f"the server is going down: {self.launched.failed}"
         if self.phase == "starting":
             return "the server is starting; retry shortly"
         if self.phase == "draining":

@@ -145,13 +145,10 @@ class TokenizerManager:
         self.ctx.destroy(linger=0)
 
     def start(self) -> None:
-        """Call from inside the event loop that will serve requests."""
+        """The output loop, on the running event loop (the first request's, which serves them
+        all)."""
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
-
-    @property
-    def num_running(self) -> int:
-        return len(self.states)
 
     # ---- requests -----------------------------------------------------------------------
     @property
@@ -190,11 +187,6 @@ class TokenizerManager:
                 f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return list(ids)
 
-    async def tokenize(self, req: TokenizedGenerateReq) -> list[int]:
-        if req.input_ids is not None:  # the scheduler checks them against its vocabulary
-            return list(req.input_ids)
-        return await self.tokenize_text(req.input_text or "")
-
     def resolve_params(self, sp: SamplingParams, prompt_len: int) -> SamplingParams:
         """The request's params with max_new_tokens a number. The scheduler checks the prompt
         and max_new_tokens against its context and KV pool (a 400 as the request's first
@@ -213,7 +205,10 @@ class TokenizerManager:
     async def generate(self, req: TokenizedGenerateReq) -> AsyncIterator[GenerateOutput]:
         """Yields one output per message; the last has its finish_reason set. If the consumer
         stops early (client gone), the request is aborted and its KV freed."""
-        ids = await self.tokenize(req)
+        if req.input_ids is not None:  # the scheduler checks them against its vocabulary
+            ids = list(req.input_ids)
+        else:
+            ids = await self.tokenize_text(req.input_text or "")
         params = self.resolve_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests
         running = self.args.max_running_requests * self.args.dp_size
