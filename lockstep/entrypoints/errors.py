@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from lockstep.entrypoints.generate_request import UNION_TAGS
+from lockstep.entrypoints.middleware import unavailable_response
 from lockstep.entrypoints.tokenizer_manager import RequestError
 from lockstep.utils.http import error_response
 
@@ -131,9 +132,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(_req: Request, exc: RequestError) -> Response:
-        resp = error_response(str(exc), exc.status)
-        resp.headers.update(exc.headers)
-        return resp
+        if exc.status == 503:
+            return unavailable_response(str(exc))
+        return error_response(str(exc), exc.status)
 
     @app.exception_handler(ClientDisconnect)  # before its (non-streamed) response was ready
     async def _client_gone(_req: Request, _exc: ClientDisconnect) -> Response:

@@ -16,9 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from lockstep.entrypoints.tokenizer_manager import RETRY_AFTER_S
 from lockstep.utils.http import error_body, error_response
 
+RETRY_AFTER_S = 1
 _NO_AUTH_PATHS = frozenset({"/health"})
 # Routes that start generations: refused with 503 while the server drains or is going down.
 _GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions",
@@ -44,6 +44,7 @@ class ServerStatus:
 
 
 def unavailable_response(message: str) -> Response:
+    """A 503 with Retry-After: the server is starting, full, draining or going down."""
     resp = error_response(message, 503)
     resp.headers["Retry-After"] = str(RETRY_AFTER_S)
     return resp

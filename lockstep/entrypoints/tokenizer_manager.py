@@ -45,14 +45,11 @@ class RequestError(ValueError):
     """A request the server cannot serve as asked: becomes a 4xx (or a 503 when the server is
     full or going down, with Retry-After), never a crash."""
 
-    def __init__(self, message: str, status: int = 400,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-        self.headers = headers or ({"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {})
 
 
-RETRY_AFTER_S = 1
 # Texts longer than this are tokenized on a worker thread, so that a long prompt never stalls the
 # event loop (and every stream it serves) while the tokenizer runs.
 TOKENIZE_OFF_LOOP_CHARS = 16_384
