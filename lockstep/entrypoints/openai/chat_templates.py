@@ -23,25 +23,14 @@ class ChatTemplateError(ValueError):
     """A chat template that cannot be found, compiled or rendered for the given messages."""
 
 
+# By model_type and by architecture (a config may name only one of them).
 ARCH_TO_TEMPLATE: dict[str, str] = {
-    "gemma": "gemma",
-    "gemma2": "gemma",
-    "gemma3": "gemma",
-    "gemma3_text": "gemma",
-    "GemmaForCausalLM": "gemma",
-    "Gemma2ForCausalLM": "gemma",
-    "Gemma3ForCausalLM": "gemma",
-    "Gemma3ForConditionalGeneration": "gemma",
-    "llama": "llama3",
-    "LlamaForCausalLM": "llama3",
-    "qwen2": "chatml",
-    "qwen3": "chatml",
-    "qwen2_moe": "chatml",
-    "qwen3_moe": "chatml",
-    "Qwen2ForCausalLM": "chatml",
-    "Qwen3ForCausalLM": "chatml",
-    "Qwen2MoeForCausalLM": "chatml",
-    "Qwen3MoeForCausalLM": "chatml",
+    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text", "GemmaForCausalLM",
+                     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+                    "gemma"),
+    **dict.fromkeys(("llama", "LlamaForCausalLM"), "llama3"),
+    **dict.fromkeys(("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "Qwen2ForCausalLM",
+                     "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"), "chatml"),
 }
 
 # SGLang's names for the same formats, so that its --chat-template values keep working.
