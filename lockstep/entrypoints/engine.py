@@ -102,7 +102,7 @@ class Launched:
         for p in self.children:
             p.join(timeout=10)
 
-    def watch(self, on_death: Callable[[str], None]) -> threading.Thread:
+    def watch(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(message)` as soon as any child exits while we are not stopping."""
 
         def loop() -> None:
@@ -118,9 +118,7 @@ class Launched:
                     on_death(self.failed)
                     return
 
-        t = threading.Thread(target=loop, name="lockstep-child-watchdog", daemon=True)
-        t.start()
-        return t
+        threading.Thread(target=loop, name="lockstep-child-watchdog", daemon=True).start()
 
 
 def _threads_per_rank(args: ServerArgs) -> int:
@@ -244,7 +242,6 @@ class Engine:
     """`lockstep.Engine(**server_args)`: keyword arguments are ServerArgs fields."""
 
     def __init__(self, **kwargs: Any) -> None:
-        self._closed = True
         self.server_args = ServerArgs(**kwargs)
         self._launched = launch_subprocesses(self.server_args)
         self._closed = False
@@ -349,10 +346,7 @@ class Engine:
     async def _async_stream(self, agen: AsyncIterator[dict[str, Any]]
                             ) -> AsyncIterator[dict[str, Any]]:
         try:
-            while True:
-                chunk = await self._await(_anext(agen))
-                if chunk is _END:
-                    return
+            while (chunk := await self._await(_anext(agen))) is not _END:
                 yield chunk
         finally:
             if not self._closed and not self._loop.is_closed():

@@ -156,12 +156,7 @@ class GenerateReqInput(StrictModel):
                 )
         if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
             raise ValueError("rid: the rids of a batch must be distinct")
-        wants_logprobs = (
-            any(self.return_logprob)
-            if isinstance(self.return_logprob, list)
-            else self.return_logprob
-        )
-        if self.top_logprobs_num and not wants_logprobs:
+        if self.top_logprobs_num and not any(_per_prompt(self.return_logprob, 1)):
             raise ValueError("top_logprobs_num: requires return_logprob to be true")
         return self
 
