@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 # The name the bundled default model (no --model-path) is served under.
 DEFAULT_MODEL_NAME = "gemma-3-270m"
 
+# How long a child may take to load its share of the model and report ready.
+READY_TIMEOUT_S = 600.0
+
+
 class LaunchError(RuntimeError):
     pass
 
@@ -126,12 +130,11 @@ def _threads_per_rank(args: ServerArgs) -> int:
     return max(1, (os.cpu_count() or 1) // local)
 
 
-def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
-                        ready_timeout: float = 600.0) -> Launched:
+def launch_subprocesses(args: ServerArgs) -> Launched:
     # Resolve (and on first use convert) the model once, here: a bad path fails the launch with
     # one clear message before any child starts, and the children then find the cache ready.
     source = resolve_model(args.model_path)
-    ports = ports or PortArgs.new(args)
+    ports = PortArgs.new(args)
     ctx = mp.get_context("spawn")
     children: list[mp.Process] = []
     pipes = []
@@ -161,7 +164,7 @@ def launch_subprocesses(args: ServerArgs, ports: PortArgs | None = None,
         spawn("detokenizer", run_detokenizer_process, args, ports)
     launched = Launched(args, ports, children, None)
     try:
-        infos = [_wait_ready(p, r, ready_timeout) for p, r in pipes]
+        infos = [_wait_ready(p, r, READY_TIMEOUT_S) for p, r in pipes]
     except BaseException:
         launched.shutdown()
         raise

@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SGLANG_VERSION = "0.5.23"
 SERVED = "served"
 
 
