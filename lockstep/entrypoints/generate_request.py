@@ -32,9 +32,20 @@ from lockstep.entrypoints.tokenizer_manager import RequestError
 from lockstep.messages import TokenizedGenerateReq
 
 
-def shaped(branches: dict[str, Any], pick: Callable[[Any], str | None], expected: str) -> Any:
+def json_kind(v: Any) -> str | None:
+    """The JSON shape a union below is chosen by: "str", "list" or "dict" (an object, also as
+    the model it validates to); None for anything else."""
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, list):
+        return "list"
+    return "dict" if isinstance(v, (Mapping, BaseModel, SamplingParams)) else None
+
+
+def shaped(branches: dict[str, Any], expected: str,
+           pick: Callable[[Any], str | None] = json_kind) -> Any:
     """A union chosen by the input's JSON shape, so that a bad value gets one error, not one per
-    union member."""
+    union member (a shape that is no branch's gets that error too)."""
     members = tuple(Annotated[t, Tag(tag)] for tag, t in branches.items())
     return Annotated[
         Union[members],  # noqa: UP007 - built from a tuple
@@ -44,20 +55,10 @@ def shaped(branches: dict[str, Any], pick: Callable[[Any], str | None], expected
     ]
 
 
-def str_or_list(v: Any) -> str | None:
-    return "str" if isinstance(v, str) else "list" if isinstance(v, list) else None
-
-
 def _ids_shape(v: Any) -> str | None:
     if not isinstance(v, list):
         return None
     return "list[list]" if v and isinstance(v[0], list) else "list"
-
-
-def _object_or_list(v: Any) -> str | None:
-    if isinstance(v, list):
-        return "list"
-    return "dict" if isinstance(v, (Mapping, BaseModel, SamplingParams)) else None
 
 
 def _bool_or_list(v: Any) -> str:
@@ -68,17 +69,17 @@ def _bool_or_list(v: Any) -> str:
 Texts = Annotated[list[str], Field(min_length=1)]
 Ids = Annotated[list[TokenId], Field(min_length=1)]
 IdLists = Annotated[list[Ids], Field(min_length=1)]
-TextInput = shaped({"str": str, "list": Texts}, str_or_list, "a string or a non-empty list of strings")
-IdsInput = shaped({"list": Ids, "list[list]": IdLists}, _ids_shape,
-                  "a list of token ids or a list of lists of token ids")
+TextInput = shaped({"str": str, "list": Texts}, "a string or a non-empty list of strings")
+IdsInput = shaped({"list": Ids, "list[list]": IdLists},
+                  "a list of token ids or a list of lists of token ids", _ids_shape)
 RidInput = shaped(
-    {"str": NonEmptyStr, "list": list[NonEmptyStr]}, str_or_list, "a string or a list of strings"
+    {"str": NonEmptyStr, "list": list[NonEmptyStr]}, "a string or a list of strings"
 )
 
 UNION_TAGS = frozenset({"str", "list", "dict", "bool", "list[str]", "list[int]", "list[list]"})
 
 
-LogprobFlag = shaped({"bool": bool, "list": list[bool]}, _bool_or_list, "a boolean or a list")
+LogprobFlag = shaped({"bool": bool, "list": list[bool]}, "a boolean or a list", _bool_or_list)
 
 
 class StrictModel(BaseModel):
@@ -105,9 +106,7 @@ class StrictModel(BaseModel):
 # SGLang's sampling params that lockstep does not serve are checked and dropped first.
 _Sampling = Annotated[SamplingParams, BeforeValidator(partial(drop_off_fields, SAMPLING_PARAMS))]
 SamplingParamsInput = shaped(
-    {"dict": _Sampling, "list": list[_Sampling]},
-    _object_or_list,
-    "an object or a list of objects",
+    {"dict": _Sampling, "list": list[_Sampling]}, "an object or a list of objects"
 )
 
 

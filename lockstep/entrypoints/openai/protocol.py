@@ -42,7 +42,6 @@ from lockstep.entrypoints.generate_request import (
     StrictModel,
     Texts,
     shaped,
-    str_or_list,
 )
 from lockstep.entrypoints.sglang_fields import CHAT, COMPLETIONS
 from lockstep.entrypoints.tokenizer_manager import RequestError
@@ -63,8 +62,8 @@ def _prompt_shape(v: Any) -> str | None:
 
 PromptInput = shaped(
     {"str": str, "list[str]": Texts, "list[int]": Ids, "list[list]": IdLists},
-    _prompt_shape,
     "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    _prompt_shape,
 )
 
 
@@ -224,7 +223,7 @@ class TextPart(StrictModel):
 # Parts are told apart by their "type"; text is the only kind this server reads.
 ContentPart = Annotated[Union[TextPart], Field(discriminator="type")]  # noqa: UP007
 ContentInput = shaped(
-    {"str": str, "list": list[ContentPart]}, str_or_list, "a string or a list of content parts"
+    {"str": str, "list": list[ContentPart]}, "a string or a list of content parts"
 )
 
 
@@ -251,13 +250,8 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
-def _choice_shape(v: Any) -> str | None:
-    return "str" if isinstance(v, str) else "dict" if isinstance(v, dict) else None
-
-
 ToolChoice = shaped(
     {"str": Literal["none", "auto", "required"], "dict": NamedToolChoice},
-    _choice_shape,
     '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
 )
 
