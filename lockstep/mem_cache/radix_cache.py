@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["ChunkCache", "KVAllocator", "PrefixCache", "RadixCache", "TreeNode"]
+__all__ = ["ChunkCache", "KVAllocator", "RadixCache", "TreeNode"]
 
 
 class KVAllocator(Protocol):
@@ -70,32 +70,6 @@ class TreeNode:
         )
 
 
-class PrefixCache(Protocol):
-    """The interface the scheduler programs against (radix or chunk cache)."""
-
-    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]: ...
-
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> int: ...
-
-    def inc_lock_ref(self, node: TreeNode) -> None: ...
-
-    def dec_lock_ref(self, node: TreeNode) -> None: ...
-
-    def evict(self, num_tokens: int) -> int: ...
-
-    def evictable_size(self) -> int: ...
-
-    def protected_size(self) -> int: ...
-
-    def total_size(self) -> int: ...
-
-    def all_slot_indices(self) -> torch.Tensor: ...
-
-    def reset(self) -> None: ...
-
-    def pretty_print(self) -> str: ...
-
-
 def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
     """Length of the common prefix of ``a`` and ``b[start:]``, without slicing ``b``."""
     n = min(len(a), len(b) - start)
@@ -110,18 +84,12 @@ def _as_key(key: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(t) for t in key)
 
 
-def _resolve_device(allocator: KVAllocator, device: torch.device | str | None) -> torch.device:
-    # Empty results must live where real slot indices live, or the scheduler's
-    # torch.cat(prefix, new_slots) fails on a device mismatch.
-    if device is None:
-        device = getattr(allocator, "device", "cpu")
-    return torch.device(device)
-
-
 class RadixCache:
-    def __init__(self, allocator: KVAllocator, *, device: torch.device | str | None = None) -> None:
+    def __init__(self, allocator: KVAllocator) -> None:
         self.allocator = allocator
-        self.device = _resolve_device(allocator, device)
+        # Empty results must live where real slot indices live, or the scheduler's
+        # torch.cat(prefix, new_slots) fails on a device mismatch.
+        self.device = torch.device(getattr(allocator, "device", "cpu"))
         self._next_node_id = 0
         self.root = self._new_node((), self._empty(), None)
         self._reset_state()
@@ -157,8 +125,32 @@ class RadixCache:
     # ------------------------------------------------------------------ lookup
 
     def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
+        node, _, values = self._walk(_as_key(key), self._tick())
+        return (torch.cat(values) if values else self._empty()), node
+
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         tokens = _as_key(key)
+        if value.dim() != 1 or value.numel() != len(tokens):
+            raise ValueError(f"value has shape {tuple(value.shape)}, key has {len(tokens)} tokens")
+        if value.dtype != torch.int64:
+            raise ValueError(f"value must be int64 slot indices, got {value.dtype}")
         now = self._tick()
+        node, i, _ = self._walk(tokens, now)
+        if i < len(tokens):
+            # clone() so the tree never aliases (and keeps alive) the
+            # caller's larger request tensor.
+            leaf = self._new_node(
+                key=tokens[i:], value=value[i:].clone(), parent=node, last_access=now
+            )
+            node.children[tokens[i]] = leaf
+            self._evictable += len(leaf.key)
+        # The already-cached part keeps the tree's slots; the caller's copies
+        # of those tokens are duplicates it must free.
+        return i
+
+    def _walk(self, tokens: tuple[int, ...], now: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow ``tokens`` down from the root, stamping each node passed with ``now``: the
+        deepest node reached, how many tokens it covers, and the slot runs on the way."""
         node = self.root
         values: list[torch.Tensor] = []
         i = 0
@@ -175,37 +167,7 @@ class RadixCache:
             values.append(child.value)
             node = child
             i += n
-        return (torch.cat(values) if values else self._empty()), node
-
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
-        tokens = _as_key(key)
-        if value.dim() != 1 or value.numel() != len(tokens):
-            raise ValueError(f"value has shape {tuple(value.shape)}, key has {len(tokens)} tokens")
-        if value.dtype != torch.int64:
-            raise ValueError(f"value must be int64 slot indices, got {value.dtype}")
-        now = self._tick()
-        node = self.root
-        i = 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                # clone() so the tree never aliases (and keeps alive) the
-                # caller's larger request tensor.
-                leaf = self._new_node(
-                    key=tokens[i:], value=value[i:].clone(), parent=node, last_access=now
-                )
-                node.children[tokens[i]] = leaf
-                self._evictable += len(leaf.key)
-                break
-            n = _common_prefix_len(child.key, tokens, i)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            node = child
-            i += n
-        # The already-cached part keeps the tree's slots; the caller's copies
-        # of those tokens are duplicates it must free.
-        return i
+        return node, i, values
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
         """Cut ``child`` after ``at`` tokens; return the new head node.
@@ -314,7 +276,7 @@ class RadixCache:
 
     def pretty_print(self) -> str:
         lines = [
-            f"RadixCache(total={self.total_size()}, evictable={self.evictable_size()}, "
+            f"{type(self).__name__}(total={self.total_size()}, evictable={self.evictable_size()}, "
             f"protected={self.protected_size()}, clock={self._clock})"
         ]
 
@@ -330,50 +292,13 @@ class RadixCache:
         return "\n".join(lines)
 
 
-class ChunkCache:
+class ChunkCache(RadixCache):
     """Stand-in for ``--disable-radix-cache``: caches nothing, shares nothing.
 
-    Since ``insert`` returns 0 the caller keeps ownership of, and frees, every
-    slot of a finished request.
+    Since ``insert`` returns 0 (and adds nothing) the caller keeps ownership of,
+    and frees, every slot of a finished request; the tree stays empty, so every
+    lookup, lock, eviction and size is the empty tree's.
     """
-
-    def __init__(self, allocator: KVAllocator, *, device: torch.device | str | None = None) -> None:
-        self.allocator = allocator
-        self.device = _resolve_device(allocator, device)
-        self.root = TreeNode(0)
-
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64, device=self.device)
-
-    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
-        return self._empty(), self.root
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         return 0
-
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        pass
-
-    def dec_lock_ref(self, node: TreeNode) -> None:
-        pass
-
-    def evict(self, num_tokens: int) -> int:
-        return 0
-
-    def evictable_size(self) -> int:
-        return 0
-
-    def protected_size(self) -> int:
-        return 0
-
-    def total_size(self) -> int:
-        return 0
-
-    def all_slot_indices(self) -> torch.Tensor:
-        return self._empty()
-
-    def reset(self) -> None:
-        pass
-
-    def pretty_print(self) -> str:
-        return "ChunkCache(empty)"
