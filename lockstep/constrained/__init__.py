@@ -8,7 +8,6 @@ llguidance does the grammar work (chosen by measurement: docs/benchmarks.md, "Gr
 from lockstep.constrained.backend import (
     GrammarBackend,
     GrammarMatcher,
-    allocate_vocab_mask,
     grammar_backend_for,
     request_matcher,
 )
@@ -27,7 +26,6 @@ __all__ = [
     "ConstraintError",
     "GrammarBackend",
     "GrammarMatcher",
-    "allocate_vocab_mask",
     "grammar_backend_for",
     "request_matcher",
     "json_object_constraint",

@@ -29,27 +29,16 @@ from lockstep.constrained.constraint import (
 GRAMMAR_CACHE_SIZE = 256
 
 
-def allocate_vocab_mask(rows: int, vocab_size: int) -> torch.Tensor:
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-
-
 class GrammarMatcher:
     """One request's position in its grammar: which tokens may come next, and when it is done."""
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self._m = matcher
-        self.consumed = 0
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False when the grammar does not allow it or fails on it
         (a limit hit while generating: going on would drop the constraint)."""
-        ok = self._m.consume_token(token) and not self._m.is_error()
-        self.consumed += ok
-        return ok
-
-    def fill_mask(self, mask: torch.Tensor, row: int) -> None:
-        v = mask[row]
-        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        return self._m.consume_token(token) and not self._m.is_error()
 
     @property
     def is_terminated(self) -> bool:
@@ -59,11 +48,6 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         return clean_grammar_error(self._m.get_error())
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens > self.consumed or not self._m.rollback(num_tokens):
-            raise RuntimeError(f"cannot roll the grammar back {num_tokens} tokens")
-        self.consumed -= num_tokens
 
 
 class GrammarBackend:
@@ -93,10 +77,6 @@ class GrammarBackend:
                 eos_token=self.eos_token_ids or None)
         return self._tokenizer
 
-    @property
-    def mask_vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
-
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher for `constraint`; ConstraintError when it does not compile."""
         proto = self._cache.get(constraint)
@@ -115,15 +95,17 @@ class GrammarBackend:
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
         """The next-token bitmask of each matcher, one row each, computed in parallel."""
-        mask = allocate_vocab_mask(len(matchers), self.mask_vocab_size)
+        words = (self.tokenizer.vocab_size + 31) // 32
+        mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        row_bytes = words * mask.element_size()
         if len(matchers) == 1:
-            matchers[0].fill_mask(mask, 0)
+            matchers[0]._m.unsafe_compute_mask_ptr(mask.data_ptr(), row_bytes)
         elif matchers:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
             self._executor.unsafe_compute_mask_ptr(
-                [(m._m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
-                mask.shape[1] * mask.element_size(), mask.shape[0])
+                [(m._m, i) for i, m in enumerate(matchers)], mask.data_ptr(), row_bytes,
+                len(matchers))
         return mask
 
 
