@@ -36,25 +36,20 @@ def _dfs_weight(waiting: list[Req], tree) -> list[Req]:
     """Visit the prefix tree depth first, heaviest subtree (most waiting requests) first, so that
     requests sharing a prefix run together while that prefix is still cached."""
     by_node: dict[int, list[Req]] = defaultdict(list)
-    nodes: dict[int, TreeNode] = {}
     weight: dict[int, int] = defaultdict(int)
     for req in sorted(waiting, key=lambda r: r.arrival):
         node = match_len(tree, req)[1]
         by_node[node.node_id].append(req)
         while node is not None:
-            nodes[node.node_id] = node
             weight[node.node_id] += 1
             node = node.parent
-    root = next((n for n in nodes.values() if n.parent is None), None)
-    if root is None:
-        return sorted(waiting, key=lambda r: r.arrival)
     out: list[Req] = []
-    stack = [root]
+    stack = [tree.root]  # every matched node's chain of parents ends there
     while stack:
         node = stack.pop()
         out.extend(by_node.get(node.node_id, []))
         kids = [c for c in node.children.values() if c.node_id in weight]
         # Reverse of (heaviest, oldest key) order, since the stack pops from the end.
-        kids.sort(key=lambda c: (weight[c.node_id], tuple(c.key[:1])), reverse=False)
+        kids.sort(key=lambda c: (weight[c.node_id], tuple(c.key[:1])))
         stack.extend(kids)
     return out
