@@ -276,13 +276,10 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return int(self.req_pool_indices.numel())
 
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        return self.prefix_lens + self.extend_lens
-
     def build_attention(self, req_to_token: torch.Tensor, windows: set[int | None]) -> None:
         b = self.batch_size
-        ext, pre, seq = self.extend_lens, self.prefix_lens, self.seq_lens
+        ext, pre = self.extend_lens, self.prefix_lens
+        seq = pre + ext
         max_q, max_l = int(ext.max()), int(seq.max())
         device = self.input_ids.device
         kv = req_to_token[self.req_pool_indices, :max_l]
