@@ -9,6 +9,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from lockstep.core import FINISH_ABORT, BaseFinishReason, SamplingParams, TokenLogprob
 
 
@@ -104,3 +106,13 @@ def encode(msg: Any) -> bytes:
 
 def decode(data: bytes) -> Any:
     return pickle.loads(data)
+
+
+def recv_all(sock: zmq.Socket) -> list[Any]:
+    """Every message already queued on `sock`, decoded, without waiting for more."""
+    msgs: list[Any] = []
+    while True:
+        try:
+            msgs.append(decode(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return msgs

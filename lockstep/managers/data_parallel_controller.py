@@ -20,6 +20,7 @@ from lockstep.messages import (
     TokenizedGenerateReq,
     decode,
     encode,
+    recv_all,
 )
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.cache_aware import CacheAwareRule
@@ -132,21 +133,12 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
         while True:
             ready = dict(poller.poll())
             watchdog.step_begins(True)
-            if inputs in ready:
-                msg = decode(inputs.recv())
-                _drain_reports(loads, dispatcher)  # whatever arrived until now counts
+            msg = decode(inputs.recv()) if inputs in ready else None
+            for report in recv_all(loads):  # before routing: whatever arrived until now counts
+                dispatcher.report(report)
+            if msg is not None:
                 _route(msg, dispatcher, outs, owner)
-            elif loads in ready:
-                _drain_reports(loads, dispatcher)
             watchdog.step_done(False)
-
-
-def _drain_reports(loads: zmq.Socket, dispatcher: Dispatcher) -> None:
-    while True:
-        try:
-            dispatcher.report(decode(loads.recv(zmq.NOBLOCK)))
-        except zmq.Again:
-            return
 
 
 def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket], owner: OrderedDict) -> None:

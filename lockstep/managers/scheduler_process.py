@@ -22,7 +22,7 @@ from lockstep.distributed.communication import (
 )
 from lockstep.distributed.parallel_state import ParallelGroup
 from lockstep.managers.scheduler import Scheduler, create_scheduler
-from lockstep.messages import BatchTokenIDOut, LoadReport, decode, encode
+from lockstep.messages import BatchTokenIDOut, LoadReport, encode, recv_all
 from lockstep.model_executor.weight_setup import weight_bytes
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import exit_on_error, start_child
@@ -43,10 +43,9 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
     start_child(f"scheduler {name}", args.log_level, name)
     torch.set_num_threads(threads)
     with exit_on_error(f"scheduler TP{tp_rank}", pipe):
-        world = args.tp_size * args.pp_size
+        world, global_rank = args.tp_size * args.pp_size, pp_rank * args.tp_size + tp_rank
         if world > 1:
-            init_distributed(ports.dist_init_addr, world, pp_rank * args.tp_size + tp_rank, args.device)
-        global_rank = pp_rank * args.tp_size + tp_rank
+            init_distributed(ports.dist_init_addr, world, global_rank, args.device)
         world_group = make_world_group(world, global_rank)
         tp = make_tp_group(args.tp_size, tp_rank, pp_rank, args.pp_size, args.device)
         pp = make_pipeline_group(args.tp_size, args.pp_size, tp_rank, pp_rank, world_group)
@@ -71,16 +70,9 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
 
 
 def recv_requests(sock: zmq.Socket | None, block: bool) -> list[Any]:
-    if sock is None:
+    if sock is None or (block and not sock.poll(IDLE_POLL_MS)):
         return []
-    msgs: list[Any] = []
-    if block and not sock.poll(IDLE_POLL_MS):
-        return msgs
-    while True:
-        try:
-            msgs.append(decode(sock.recv(zmq.NOBLOCK)))
-        except zmq.Again:
-            return msgs
+    return recv_all(sock)
 
 
 def event_loop(args: ServerArgs, sched: Scheduler, world: ParallelGroup, recv: zmq.Socket | None,
