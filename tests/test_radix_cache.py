@@ -242,7 +242,7 @@ def test_chunk_cache_holds_nothing() -> None:
     pool = CheckedAllocator(8)
     cache = ChunkCache(pool)
     value = alloc(pool, 3)
-    assert cache.insert([1, 2, 3], value) == 0
+    assert cache.insert([1, 2, 3], value) == 3  # all "held": the caller frees its copies
     indices, node = cache.match_prefix([1, 2, 3])
     assert indices.numel() == 0 and indices.dtype == torch.int64
     assert isinstance(node, TreeNode)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lockstep.constrained import GrammarBackend, grammar_backend_for, request_matcher
+from lockstep.constrained.backend import GrammarBackend, grammar_backend_for, request_matcher
 from lockstep.core import FINISH_ABORT, ForwardMode
 from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
@@ -28,7 +28,7 @@ from lockstep.managers.scheduler_output_processor import (
 )
 from lockstep.managers.speculative import Speculator
 from lockstep.managers.stop_checker import stop_checker
-from lockstep.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from lockstep.managers.tp_worker import TpModelWorker
 from lockstep.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from lockstep.mem_cache.radix_cache import ChunkCache, RadixCache
 from lockstep.messages import (
@@ -157,13 +157,15 @@ class Scheduler(SchedulerOutputProcessorMixin):
         else:
             self._step_plain()
         self.step_count += 1
-        return self.take_outputs()
+        out, self._pending = self._pending, []
+        return out
 
     def _step_plain(self) -> None:
         batch = self.get_next_batch_to_run()
         self._before_run(batch)
         if batch is not None:
-            self.process_batch_result(batch, self.run_batch(batch))
+            res = self.worker.forward_batch_generation(batch.worker_batch)
+            self.process_batch_result(batch, res)
         elif self.is_idle():
             self.check_integrity()
 
@@ -195,9 +197,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.before_run is not None:
             self.before_run(self.step_count, batch.fingerprint() if batch else "idle")
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        return self.worker.forward_batch_generation(batch.worker_batch)
-
     def _launch(self, batch: ScheduleBatch) -> InFlight:
         assert self.worker_client is not None
         futures = self.worker_client.submit(batch.worker_batch)
@@ -228,10 +227,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.inflight is not None:
             done, self.inflight = self.inflight, None
             self._complete(done)
-
-    def take_outputs(self) -> list[ReqOutput]:
-        out, self._pending = self._pending, []
-        return out
 
     def load(self) -> tuple[int, int, int]:
         """(running, queued, KV tokens in use) for the DP controller's dispatch."""
@@ -413,16 +408,20 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.new_token_ratio = max(floor, self.new_token_ratio - step)
 
     # ---- KV ownership -------------------------------------------------------------------
-    def _row(self, req: Req) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len]
+    def _to_tree(self, req: Req) -> list[int]:
+        """Insert the request's computed tokens; the tree keeps those it did not hold, and the
+        request's copies of the others are freed. Returns the tokens."""
+        tokens = req.fill_ids[: req.cached_len]
+        indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len].clone()
+        present = self.tree.insert(tokens, indices)
+        self.allocator.free(indices[req.prefix_len:present])
+        return tokens
 
     def _cache_unfinished(self, req: Req) -> None:
         """Hand the request's computed prefix to the tree now, so others can share it."""
         if isinstance(self.tree, ChunkCache) or req.cached_len <= req.prefix_len:
             return
-        tokens, indices = req.fill_ids[: req.cached_len], self._row(req).clone()
-        present = self.tree.insert(tokens, indices)
-        self.allocator.free(indices[req.prefix_len:present])
+        tokens = self._to_tree(req)
         new_indices, node = self.tree.match_prefix(tokens)
         self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len] = new_indices
         self.tree.inc_lock_ref(node)
@@ -433,20 +432,19 @@ class Scheduler(SchedulerOutputProcessorMixin):
         """Give up the request's KV: into the tree (radix) or back to the allocator."""
         if req.req_pool_idx is None:
             return
-        indices = self._row(req).clone()
-        if isinstance(self.tree, ChunkCache):
-            self.allocator.free(indices)
-        else:
-            present = self.tree.insert(req.fill_ids[: req.cached_len], indices)
-            self.allocator.free(indices[req.prefix_len:present])
-            self.tree.dec_lock_ref(req.last_node)
-        # Slots allocated for a step that never ran (abort mid-batch) are freed too.
-        if req.device_len > req.cached_len:
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.allocator.free(row[req.cached_len:req.device_len].clone())
+        self._to_tree(req)  # a ChunkCache keeps none: every slot is freed
+        self.tree.dec_lock_ref(req.last_node)
+        self._free_uncached(req)  # slots for a step that never ran (abort mid-batch)
         self._free_row(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.future_token = None, None, None
         req.cached_len = req.device_len = req.prefix_len = 0
+
+    def _free_uncached(self, req: Req) -> None:
+        """Free the request's KV slots past `cached_len`: allocated for tokens it did not keep."""
+        if req.device_len > req.cached_len:
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[req.cached_len:req.device_len].clone())
+            req.device_len = req.cached_len
 
     def _free_row(self, row: int) -> None:
         """A launched batch may still read this row: park it until that batch is done."""

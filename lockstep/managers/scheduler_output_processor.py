@@ -53,7 +53,6 @@ class SchedulerOutputProcessorMixin:
             if not batch.samples[i]:
                 self._cache_unfinished(req)
                 continue
-            was_prefill = req.phase == ReqPhase.PREFILL
             if req.sampling_params.max_new_tokens == 0:
                 self.finish(req, FINISH_LENGTH(0))
                 continue
@@ -61,7 +60,7 @@ class SchedulerOutputProcessorMixin:
             if reason is not None:
                 self.finish(req, reason)
                 continue
-            if was_prefill:
+            if req.phase == ReqPhase.PREFILL:
                 req.phase = ReqPhase.DECODE
                 self._cache_unfinished(req)
                 self.running.append(req)
@@ -91,10 +90,7 @@ class SchedulerOutputProcessorMixin:
                 break
         if draft:
             self.speculator.verified(req, len(draft), accepted=s)
-        if req.device_len > req.cached_len:
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.allocator.free(row[req.cached_len:req.device_len].clone())
-            req.device_len = req.cached_len
+        self._free_uncached(req)
         return reason
 
     def _add_prompt_logprobs(self, req: Req, res: GenerationBatchResult, i: int

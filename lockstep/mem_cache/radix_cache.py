@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -31,6 +32,7 @@ class KVAllocator(Protocol):
     def available_size(self) -> int: ...
 
 
+@dataclass(eq=False, slots=True)  # eq=False: nodes compare and hash by identity
 class TreeNode:
     """One edge of the radix tree: a run of tokens and the slots holding their KV.
 
@@ -39,29 +41,15 @@ class TreeNode:
     tokens up to the root.
     """
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "node_id")
-
-    def __init__(
-        self,
-        node_id: int,
-        key: tuple[int, ...] = (),
-        value: torch.Tensor | None = None,
-        parent: TreeNode | None = None,
-        lock_ref: int = 0,
-        last_access: int = 0,
-    ) -> None:
-        # Keyed by the first token of the child's run: in a radix tree no two
-        # children start with the same token.
-        self.children: dict[int, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.value = value if value is not None else torch.empty(0, dtype=torch.int64)
-        self.lock_ref = lock_ref
-        self.last_access = last_access
-        self.node_id = node_id
-
-    def is_leaf(self) -> bool:
-        return not self.children
+    node_id: int
+    key: tuple[int, ...]
+    value: torch.Tensor
+    parent: TreeNode | None
+    lock_ref: int = 0
+    last_access: int = 0
+    # Keyed by the first token of the child's run: in a radix tree no two
+    # children start with the same token.
+    children: dict[int, TreeNode] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (
@@ -240,7 +228,7 @@ class RadixCache:
         return evicted
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
-        return node is not self.root and node.lock_ref == 0 and node.is_leaf()
+        return node is not self.root and node.lock_ref == 0 and not node.children
 
     # ------------------------------------------------------------- accounting
 
@@ -295,10 +283,11 @@ class RadixCache:
 class ChunkCache(RadixCache):
     """Stand-in for ``--disable-radix-cache``: caches nothing, shares nothing.
 
-    Since ``insert`` returns 0 (and adds nothing) the caller keeps ownership of,
-    and frees, every slot of a finished request; the tree stays empty, so every
-    lookup, lock, eviction and size is the empty tree's.
+    ``insert`` adds nothing and counts every token as already held, so the
+    caller frees every slot of a finished request, as it frees the duplicates
+    of a real tree; the tree stays empty, so every lookup, lock, eviction and
+    size is the empty tree's.
     """
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
-        return 0
+        return len(key)
