@@ -35,9 +35,6 @@ class TokenToKVPoolAllocator:
     def __init__(self, size: int, device: str) -> None:
         self.size = size
         self.device = device
-        self.clear()
-
-    def clear(self) -> None:
         self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
 
     def available_size(self) -> int:
