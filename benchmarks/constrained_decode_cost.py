@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lockstep.layers.sampler as sampler_mod
-from lockstep.constrained import Constraint, GrammarBackend, GrammarMatcher
+from lockstep.constrained.backend import GrammarBackend, GrammarMatcher
+from lockstep.constrained.constraint import Constraint
 from lockstep.core import SamplingParams
 from lockstep.managers.scheduler import create_scheduler
 from lockstep.messages import TokenizedGenerateReq

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import requests
 
-from lockstep.constrained import Constraint
+from lockstep.constrained.constraint import Constraint
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.live_server import LiveServer, sse_events
 
@@ -194,7 +194,11 @@ BIG_SCHEMA = {"type": "object", "required": ["n"], "properties": {
 def test_grammar_limits_admit_real_constraints_and_refuse_unbounded_ones():
     """The front's check (compile, limits, the first bytes of output) in process: what a real
     client sends passes; what would stall a rank or yield no output is a ConstraintError."""
-    from lockstep.constrained import ConstraintError, json_schema_constraint, validate_constraint
+    from lockstep.constrained.constraint import (
+        ConstraintError,
+        json_schema_constraint,
+        validate_constraint,
+    )
 
     for c in (json_schema_constraint(BIG_SCHEMA), json_schema_constraint(SCHEMA),
               Constraint("regex", r"[a-z0-9._%+-]{1,64}@[a-z0-9.-]{1,255}\.[a-z]{2,10}"),

@@ -14,13 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lockstep.function_call import (
-    TOOL_CALL_PARSERS,
-    ParseResult,
-    ToolCallParser,
-    default_parser_name,
-    make_parser,
-)
+from lockstep.function_call.core import ParseResult, ToolCallParser
+from lockstep.function_call.registry import TOOL_CALL_PARSERS, default_parser_name, make_parser
 
 TOOLS = ["get_weather", "get_time", "search", "send_email"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lockstep.constrained import GrammarMatcher
+from lockstep.constrained.backend import GrammarMatcher
 from lockstep.core import BaseFinishReason, ForwardBatch, ForwardMode, SamplingParams, TokenLogprob
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
 from lockstep.managers.stop_checker import StopChecker
@@ -177,16 +177,14 @@ class ScheduleBatch:
             start = len(ids)
             ids.extend(fill[req.cached_len:req.device_len])
             positions.extend(range(req.cached_len, req.device_len))
+            # The prompt rows [lo, hi) this step computes, of those whose logprob was asked for.
             pstart = req.prompt_logprob_start
-            prompt_end = len(req.origin_input_ids) - 1
-            if pstart is not None and req.cached_len <= prompt_end:
-                lo, hi = max(pstart, req.cached_len), min(req.device_len, prompt_end)
-                if hi > lo:
-                    prompt_rows.append((len(logits_idx), hi - lo))
-                    logits_idx.extend(start + p - req.cached_len for p in range(lo, hi))
-                    prompt_targets.extend(fill[lo + 1:hi + 1])
-                else:
-                    prompt_rows.append(None)
+            lo = max(pstart or 0, req.cached_len)
+            hi = min(req.device_len, len(req.origin_input_ids) - 1)
+            if pstart is not None and hi > lo:
+                prompt_rows.append((len(logits_idx), hi - lo))
+                logits_idx.extend(start + p - req.cached_len for p in range(lo, hi))
+                prompt_targets.extend(fill[lo + 1:hi + 1])
             else:
                 prompt_rows.append(None)
             for row in range(len(ids) - samples, len(ids)):

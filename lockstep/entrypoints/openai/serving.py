@@ -56,7 +56,7 @@ from lockstep.entrypoints.openai.tool_calls import (
     template_message,
 )
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError, TokenizerManager
-from lockstep.function_call import default_parser_name
+from lockstep.function_call.registry import default_parser_name
 from lockstep.messages import TokenizedGenerateReq
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import jsonschema_rs
 
-from lockstep.constrained import Constraint, ConstraintError, validate_constraint
+from lockstep.constrained.constraint import Constraint, ConstraintError, validate_constraint
 from lockstep.entrypoints.openai.protocol import (
     DeltaFunctionCall,
     DeltaToolCall,
@@ -26,9 +26,9 @@ from lockstep.entrypoints.openai.protocol import (
     Tool,
     ToolCall,
 )
-from lockstep.function_call import TOOL_CALL_PARSERS, ToolCallParser, make_parser
-from lockstep.function_call.core import StreamDelta
+from lockstep.function_call.core import StreamDelta, ToolCallParser
 from lockstep.function_call.forced import CallArrayParser, NamedArgumentsParser
+from lockstep.function_call.registry import TOOL_CALL_PARSERS, make_parser
 
 # A function without parameters takes an empty object (the grammar allows no keys at all).
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
