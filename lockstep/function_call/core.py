@@ -53,10 +53,6 @@ class ParseResult:
     calls: list[ToolCall]
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest proper prefix of `marker` that `text` ends with."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -148,7 +144,7 @@ class ToolCallParser(ABC):
     def _start_call(self, name: str) -> None:
         self._pending_ws = ""
         self._after_call = False
-        self._calls.append([new_call_id(), name])
+        self._calls.append([f"call_{uuid.uuid4().hex[:24]}", name])
         self._open_call = True
         self._out.calls.append(ToolCallDelta(len(self._calls) - 1, self._calls[-1][0], name))
 

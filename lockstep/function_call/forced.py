@@ -73,21 +73,16 @@ class NamedArgumentsParser(ToolCallParser):
             raise ValueError("a named-function parser takes exactly one function name")
         super().__init__(names)
         self._function = names[0]
-        self._started = False
 
     def _step(self, final: bool) -> bool:
-        if not self._started:
-            self._started = True
+        if not self._calls:
             self._start_call(self._function)
         piece = self._buf[self._pos:]
         self._pos = len(self._buf)
         self._arguments(piece)
         if final:
-            self._end_call(ok=_is_object(self._arguments_text()))
+            self._end_call(ok=_is_object("".join(self._calls[0][2:])))
         return False
-
-    def _arguments_text(self) -> str:
-        return "".join(self._calls[0][2:]) if self._calls else ""
 
 
 def _is_object(text: str) -> bool:

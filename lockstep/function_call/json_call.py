@@ -30,6 +30,13 @@ class Status(Enum):
 _DECODER = json.JSONDecoder()
 
 
+def skip_ws(buf: str, i: int) -> int:
+    """The first index at or after `i` that is not JSON whitespace (len(buf) if none)."""
+    while i < len(buf) and buf[i] in _WS:
+        i += 1
+    return i
+
+
 def decode_at(buf: str, i: int) -> tuple[Any, int] | None:
     """The JSON value that starts at `buf[i]` and the index just past it, or None while the text
     ends inside it; ValueError once no more text can make it JSON. The json library finds where
@@ -73,18 +80,14 @@ class JsonCallScanner:
             if status is not None:
                 return status
 
-    def _skip_ws(self, buf: str) -> bool:
-        while self.i < len(buf) and buf[self.i] in _WS:
-            self.i += 1
-        return self.i < len(buf)
-
     def _advance_once(self, buf: str) -> Status | None:
         phase = self._phase
         if phase == "arguments":
             return self._scan_arguments(buf)
         if phase == "close":
             return self._close()
-        if not self._skip_ws(buf):
+        self.i = skip_ws(buf, self.i)
+        if self.i == len(buf):
             return Status.MORE
         c = buf[self.i]
         if phase == "open":

@@ -12,9 +12,9 @@ import re
 from collections.abc import Iterable
 
 from lockstep.function_call.core import ToolCallParser
+from lockstep.function_call.json_call import skip_ws
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
-_WS = " \t\r\n"
 _OPEN, _CLOSE = "([{", ")]}"
 
 
@@ -80,17 +80,13 @@ class PythonicParser(ToolCallParser):
             self._pos = self._list_start + 1
             self._mode = "content"
 
-    def _skip_ws(self) -> bool:
-        while self._pos < len(self._buf) and self._buf[self._pos] in _WS:
-            self._pos += 1
-        return self._pos < len(self._buf)
-
     def _list_step(self) -> bool | None:
         """One move inside the list: True on progress, None when more text is needed, False
         when the text is not a call list."""
         if self._phase == "value":
             return self._scan_value()
-        if not self._skip_ws():
+        self._pos = skip_ws(self._buf, self._pos)
+        if self._pos == len(self._buf):
             return None
         buf, pos, phase = self._buf, self._pos, self._phase
         if phase in ("name", "key_or_close"):
@@ -103,9 +99,7 @@ class PythonicParser(ToolCallParser):
             m = _IDENT.match(buf, pos)
             if m is None:
                 return False
-            j = m.end()
-            while j < len(buf) and buf[j] in _WS:
-                j += 1
+            j = skip_ws(buf, m.end())
             if j == len(buf):
                 return None  # the identifier may go on
             if phase == "name":

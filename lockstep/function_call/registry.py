@@ -13,15 +13,14 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     cls.name: cls for cls in (Qwen25Parser, Llama3Parser, PythonicParser)
 }
 
-# Only families whose instruct models were trained on one call format; Gemma 3 has none.
-_FAMILY_PARSER = {
+# Only families whose instruct models were trained on one call format; Gemma 3 has none. Keyed
+# by model_type, and by architecture for configs whose model_type is not one of these.
+_DEFAULT_PARSER = {
     "qwen2": "qwen25",
     "qwen3": "qwen25",
     "qwen2_moe": "qwen25",
     "qwen3_moe": "qwen25",
     "llama": "llama3",
-}
-_ARCH_PARSER = {
     "Qwen2ForCausalLM": "qwen25",
     "Qwen3ForCausalLM": "qwen25",
     "Qwen2MoeForCausalLM": "qwen25",
@@ -41,9 +40,5 @@ def make_parser(name: str, tool_names: Iterable[str]) -> ToolCallParser:
 
 def default_parser_name(model_type: str, architectures: Sequence[str]) -> str | None:
     """The parser a model family's chat format implies, or None where it is not unambiguous."""
-    if model_type in _FAMILY_PARSER:
-        return _FAMILY_PARSER[model_type]
-    for arch in architectures:
-        if arch in _ARCH_PARSER:
-            return _ARCH_PARSER[arch]
-    return None
+    return next((_DEFAULT_PARSER[k] for k in (model_type, *architectures) if k in _DEFAULT_PARSER),
+                None)
