@@ -28,10 +28,10 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import ArgsKwargs
 
 from lockstep.constrained.constraint import (
-    CONSTRAINT_KINDS,
     Constraint,
     ConstraintError,
     constraint_from_fields,
+    validate_constraint,
 )
 
 
@@ -215,17 +215,15 @@ class SamplingParams:
                 raise ValueError(f"seed ({self.seed}) and sampling_seed ({self.sampling_seed}) differ")
             self.seed, self.sampling_seed = self.sampling_seed, None  # one name from here on
         try:
-            constraint_from_fields(self.regex, self.json_schema, self.ebnf)
+            if (c := self.constraint) is not None:
+                validate_constraint(c)
         except ConstraintError as e:
             raise ValueError(str(e)) from None
         return self
 
     @property
     def constraint(self) -> Constraint | None:
-        for kind, text in zip(CONSTRAINT_KINDS, (self.regex, self.json_schema, self.ebnf)):
-            if text is not None:
-                return Constraint(kind, text)
-        return None
+        return constraint_from_fields(self.regex, self.json_schema, self.ebnf)
 
     @property
     def is_greedy(self) -> bool:

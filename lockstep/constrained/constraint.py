@@ -200,11 +200,6 @@ def json_schema_constraint(schema: dict[str, Any] | bool) -> Constraint:
     return Constraint("json_schema", json.dumps(schema))
 
 
-def json_object_constraint() -> Constraint:
-    """Output that is any JSON object (OpenAI's response_format {"type": "json_object"})."""
-    return json_schema_constraint({"type": "object"})
-
-
 def _one_line(msg: str) -> str:
     msg = " ".join(msg.split())
     return msg if len(msg) <= 500 else msg[:500] + "..."
@@ -212,12 +207,9 @@ def _one_line(msg: str) -> str:
 
 def constraint_from_fields(regex: str | None, json_schema: str | None,
                            ebnf: str | None) -> Constraint | None:
-    """The constraint named by SGLang's sampling_params fields, checked; at most one may be set."""
+    """The constraint named by SGLang's sampling_params fields (not validated: see
+    validate_constraint); at most one may be set."""
     given = [(k, v) for k, v in zip(CONSTRAINT_KINDS, (regex, json_schema, ebnf)) if v is not None]
     if len(given) > 1:
         raise ConstraintError("Only one of regex, json_schema, or ebnf can be set.")
-    if not given:
-        return None
-    c = Constraint(*given[0])
-    validate_constraint(c)
-    return c
+    return Constraint(*given[0]) if given else None

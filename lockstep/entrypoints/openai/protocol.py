@@ -14,11 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
-from lockstep.constrained.constraint import (
-    SchemaObject,
-    json_object_constraint,
-    json_schema_constraint,
-)
+from lockstep.constrained.constraint import SchemaObject, json_schema_constraint
 from lockstep.core import (
     LogitBias,
     MinP,
@@ -143,7 +139,7 @@ class _OpenAIRequest(StrictModel):
         """The JSON schema constraint's text, from response_format."""
         fmt = self.response_format
         if isinstance(fmt, JsonObjectResponseFormat):
-            return json_object_constraint().text
+            return json_schema_constraint({"type": "object"}).text  # any JSON object
         if isinstance(fmt, JsonSchemaResponseFormat):
             return json_schema_constraint(fmt.json_schema.schema_).text
         return None
