@@ -62,10 +62,6 @@ class StopRegex:
             viable = None
         return cls(pattern, search, viable, max(1, min(span, STOP_REGEX_LOOKBACK)))
 
-    def find(self, text: str, start: int) -> tuple[int, int] | None:
-        """The leftmost match that starts at `start` or later: (start, end) in characters."""
-        return _search(self.search, text, start)
-
     def viable_from(self, text: str) -> int:
         """Where the earliest suffix of `text` that could still become a match begins."""
         start = max(0, len(text) - self.span + 1)
@@ -124,7 +120,7 @@ class StopChecker:
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, pos + len(stop), stop)
         for rx in self.regexes:
-            m = rx.find(text, max(0, self.checked - rx.span + 1))
+            m = _search(rx.search, text, max(0, self.checked - rx.span + 1))
             if m is not None and (best is None or m[0] < best[0]):
                 best = (*m, rx.pattern)
         self.checked = len(text)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.core import ForwardBatch, split_forward_batch
+from lockstep.core import split_forward_batch
 from lockstep.distributed.communication import broadcast_pyobj
 from lockstep.layers.sampler import sample
 from lockstep.managers.schedule_batch import ModelWorkerBatch
@@ -33,18 +33,14 @@ class TpModelWorker:
         # work on at once. Every rank holds the same value, so every rank splits alike.
         self.micro_batches = micro_batches
 
-    def split(self, batch: ModelWorkerBatch) -> list[ForwardBatch]:
-        """The micro-batches of this step. The split depends only on the batch, never on this
-        rank, and the last stage samples the rows of all of them together with the whole
-        batch's sampling info, so tokens (logprobs, prompt logprobs) do not depend on it."""
-        if self.runner.pp.size == 1 or self.micro_batches <= 1:
-            return [batch.forward_batch]
-        return split_forward_batch(batch.forward_batch, self.micro_batches)
-
     @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
-        hidden = self.runner.forward_micro_batches(self.split(batch))
         pp = self.runner.pp
+        # The micro-batches of this step. The split depends only on the batch, never on this
+        # rank, and the last stage samples the rows of all of them together with the whole
+        # batch's sampling info, so tokens (logprobs, prompt logprobs) do not depend on it.
+        parts = split_forward_batch(batch.forward_batch, self.micro_batches if pp.size > 1 else 1)
+        hidden = self.runner.forward_micro_batches(parts)
         res = self._sample(hidden, batch) if pp.is_last else None
         if pp.size > 1:
             # The last stage's result reaches every rank, so all schedulers stay in step.
