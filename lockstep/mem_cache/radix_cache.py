@@ -13,23 +13,15 @@ depends on wall time, ``id()`` or set ordering.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-__all__ = ["ChunkCache", "KVAllocator", "RadixCache", "TreeNode"]
+from lockstep.mem_cache.memory_pool import TokenToKVPoolAllocator
 
-
-class KVAllocator(Protocol):
-    """What the cache needs from ``memory_pool.TokenToKVPoolAllocator``."""
-
-    def alloc(self, n: int) -> torch.Tensor | None: ...
-
-    def free(self, indices: torch.Tensor) -> None: ...
-
-    def available_size(self) -> int: ...
+__all__ = ["ChunkCache", "RadixCache", "TreeNode"]
 
 
 @dataclass(eq=False, slots=True)  # eq=False: nodes compare and hash by identity
@@ -73,35 +65,22 @@ def _as_key(key: Sequence[int]) -> tuple[int, ...]:
 
 
 class RadixCache:
-    def __init__(self, allocator: KVAllocator) -> None:
+    def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
         self.allocator = allocator
         # Empty results must live where real slot indices live, or the scheduler's
         # torch.cat(prefix, new_slots) fails on a device mismatch.
-        self.device = torch.device(getattr(allocator, "device", "cpu"))
-        self._next_node_id = 0
-        self.root = self._new_node((), self._empty(), None)
+        self.device = torch.device(allocator.device)
+        self.root = TreeNode(0, (), self._empty(), None)
         self._reset_state()
 
     def _reset_state(self) -> None:
         # The root object survives a reset: a request that matched nothing
         # holds the root as its last_node and will still dec_lock_ref it.
         self.root.children.clear()
-        self._next_node_id = 1
+        self._node_ids = itertools.count(1)  # creation order: the tie-break of eviction
         self._clock = 0
         self._evictable = 0
         self._protected = 0
-
-    def _new_node(
-        self,
-        key: tuple[int, ...],
-        value: torch.Tensor,
-        parent: TreeNode | None,
-        lock_ref: int = 0,
-        last_access: int = 0,
-    ) -> TreeNode:
-        node = TreeNode(self._next_node_id, key, value, parent, lock_ref, last_access)
-        self._next_node_id += 1
-        return node
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -127,9 +106,8 @@ class RadixCache:
         if i < len(tokens):
             # clone() so the tree never aliases (and keeps alive) the
             # caller's larger request tensor.
-            leaf = self._new_node(
-                key=tokens[i:], value=value[i:].clone(), parent=node, last_access=now
-            )
+            leaf = TreeNode(next(self._node_ids), tokens[i:], value[i:].clone(), node,
+                            last_access=now)
             node.children[tokens[i]] = leaf
             self._evictable += len(leaf.key)
         # The already-cached part keeps the tree's slots; the caller's copies
@@ -167,7 +145,8 @@ class RadixCache:
         assert 0 < at < len(child.key)
         parent = child.parent
         assert parent is not None
-        head = self._new_node(
+        head = TreeNode(
+            node_id=next(self._node_ids),
             key=child.key[:at],
             value=child.value[:at].clone(),
             parent=parent,
