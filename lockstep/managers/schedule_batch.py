@@ -160,8 +160,7 @@ class ScheduleBatch:
         desc = repr((self.mode.value, [(r.rid, r.cached_len, r.device_len, r.draft) for r in self.reqs]))
         return hashlib.sha1(desc.encode()).hexdigest()[:16]
 
-    def to_worker_batch(self, req_to_token: torch.Tensor, out_cache_loc: torch.Tensor,
-                        vocab_size: int, base_seed: int, device: str,
+    def to_worker_batch(self, vocab_size: int, base_seed: int, device: str,
                         fill_masks: MaskFiller | None = None) -> ModelWorkerBatch:
         ids: list[int] = []
         positions: list[int] = []
@@ -192,7 +191,8 @@ class ScheduleBatch:
                 logits_idx.append(row)
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         fb = ForwardBatch(
-            mode=self.mode, input_ids=t(ids), positions=t(positions), out_cache_loc=out_cache_loc,
+            mode=self.mode, input_ids=t(ids), positions=t(positions),
+            out_cache_loc=self.out_cache_loc,
             req_pool_indices=t([r.req_pool_idx for r in self.reqs]),
             prefix_lens=t([r.cached_len for r in self.reqs]),
             extend_lens=t([r.extend_len for r in self.reqs]),

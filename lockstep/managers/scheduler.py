@@ -162,7 +162,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     def _step_plain(self) -> None:
         batch = self.get_next_batch_to_run()
-        self._before_run(batch)
         if batch is not None:
             res = self.worker.forward_batch_generation(batch.worker_batch)
             self.process_batch_result(batch, res)
@@ -183,7 +182,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.inflight is not None and self.inflight.batch.mode != ForwardMode.DECODE:
             self._sync()
         batch = self.get_next_batch_to_run()
-        self._before_run(batch)
         prev, self.inflight = self.inflight, None
         if batch is not None:
             self.inflight = self._launch(batch)
@@ -192,10 +190,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self._complete(prev)
         if batch is None and self.is_idle():
             self.check_integrity()
-
-    def _before_run(self, batch: ScheduleBatch | None) -> None:
-        if self.before_run is not None:
-            self.before_run(self.step_count, batch.fingerprint() if batch else "idle")
 
     def _launch(self, batch: ScheduleBatch) -> InFlight:
         assert self.worker_client is not None
@@ -250,25 +244,23 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return prefill if prefill is not None else self._decode_batch()
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        """This step's batch, ready for the worker; `before_run` hears of it (or of none)."""
         batch = self.form_batch()
-        if batch is None:
-            return None
-        batch.extend_lens = [r.extend_len for r in batch.reqs]
-        batch.worker_batch = batch.to_worker_batch(
-            self.req_to_token_pool.req_to_token, batch.out_cache_loc, self.vocab_size,
-            self.args.random_seed, self.device, self._fill_masks)
-        if self.args.debug_fingerprints or self.args.enable_lockstep_check:
-            self.fingerprints.append(batch.fingerprint())
+        if batch is not None:
+            batch.extend_lens = [r.extend_len for r in batch.reqs]
+            batch.worker_batch = batch.to_worker_batch(self.vocab_size, self.args.random_seed,
+                                                       self.device, self._fill_masks)
+            if self.args.debug_fingerprints or self.args.enable_lockstep_check:
+                self.fingerprints.append(batch.fingerprint())
+        if self.before_run is not None:
+            self.before_run(self.step_count, batch.fingerprint() if batch else "idle")
         return batch
 
     # ---- admission ----------------------------------------------------------------------
-    def _reserved_tokens(self) -> int:
-        """KV the running requests will still need, by the estimated new-token ratio."""
-        total = 0
-        for r in self.running:
-            left = r.sampling_params.max_new_tokens - len(r.output_ids)
-            total += int(max(0, left) * self.new_token_ratio)
-        return total
+    def _future_tokens(self, req: Req) -> int:
+        """KV the request's output will still need, by the estimated new-token ratio."""
+        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return int(max(0, left) * self.new_token_ratio)
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         short = n - self.allocator.available_size()
@@ -302,7 +294,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     def _admit_waiting(self, admitted: list[Req], locs: list[torch.Tensor], budget: int) -> None:
         available = self.allocator.available_size() + self.tree.evictable_size()
-        reserved = self._reserved_tokens() + sum(r.seq_len - r.cached_len for r in admitted)
+        reserved = sum(map(self._future_tokens, self.running))
+        reserved += sum(r.seq_len - r.cached_len for r in admitted)
         for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.rng):
             if budget <= 0 or len(self.running) + len(admitted) >= self.args.max_running_requests:
                 break
@@ -317,8 +310,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if self._shares_new_prefix(fill, prefix, admitted):
                 continue
             extend = len(fill) - prefix
-            left = max(0, req.sampling_params.max_new_tokens - len(req.output_ids))
-            need = extend + int(left * self.new_token_ratio)
+            need = extend + self._future_tokens(req)
             if reserved + need > available:
                 break
             self.tree.inc_lock_ref(node)
