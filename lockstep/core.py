@@ -340,29 +340,26 @@ def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:] + [b]))
 
 
-def slice_forward_batch(fb: ForwardBatch, start: int, end: int) -> ForwardBatch:
-    """The requests [start, end) of `fb` as a batch of their own. Tokens are laid out request
-    after request, so the token range follows from extend_lens; logits rows inside it keep
-    their order and are renumbered from 0. The attention metadata is left to build_attention."""
-    ext = fb.extend_lens.tolist()
-    t0, t1 = sum(ext[:start]), sum(ext[:end])
-    li = fb.logits_indices
-    keep = (li >= t0) & (li < t1)
-    return ForwardBatch(
-        mode=fb.mode,
-        input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
-        out_cache_loc=fb.out_cache_loc[t0:t1],
-        req_pool_indices=fb.req_pool_indices[start:end],
-        prefix_lens=fb.prefix_lens[start:end], extend_lens=fb.extend_lens[start:end],
-        logits_indices=li[keep] - t0,
-    )
-
-
 def split_forward_batch(fb: ForwardBatch, n: int) -> list[ForwardBatch]:
-    """Contiguous micro-batches of `fb` for pipeline stages to work on at once. Their logits
-    rows, concatenated in order, are exactly fb's: the worker builds logits_indices in token
-    order (request after request), so each micro-batch's rows are one consecutive run of them."""
-    ranges = micro_batch_ranges(fb.extend_lens.tolist(), n)
+    """Contiguous micro-batches of `fb` for pipeline stages to work on at once: the requests of
+    each range as a batch of their own, whose attention metadata is left to build_attention.
+    Tokens are laid out request after request, so a range's tokens follow from extend_lens. Their
+    logits rows, concatenated in order, are exactly fb's: the worker builds logits_indices in token
+    order (request after request), so each micro-batch's rows are one consecutive run of them,
+    renumbered from 0."""
+    ext = fb.extend_lens.tolist()
+    ranges = micro_batch_ranges(ext, n)
     if len(ranges) == 1:
         return [fb]
-    return [slice_forward_batch(fb, a, b) for a, b in ranges]
+    li, parts = fb.logits_indices, []
+    for start, end in ranges:
+        t0, t1 = sum(ext[:start]), sum(ext[:end])
+        parts.append(ForwardBatch(
+            mode=fb.mode,
+            input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
+            out_cache_loc=fb.out_cache_loc[t0:t1],
+            req_pool_indices=fb.req_pool_indices[start:end],
+            prefix_lens=fb.prefix_lens[start:end], extend_lens=fb.extend_lens[start:end],
+            logits_indices=li[(li >= t0) & (li < t1)] - t0,
+        ))
+    return parts
