@@ -75,36 +75,27 @@ class Dispatcher:
         else:
             raise ValueError(f"unknown load-balance method {self.method!r}")
         self.replicas[target].sent_since_report += 1
-        if self.method == "cache_aware":
-            self._remember(target, req.input_ids)
         return target
 
     def _least(self, key) -> int:
         return min(range(len(self.replicas)), key=lambda i: (key(self.replicas[i]), i))
 
-    @staticmethod
-    def _chain(ids: list[int]) -> list[int]:
-        out, h = [], 0
+    def _cache_aware(self, ids: list[int]) -> int:
+        chain, h = [], 0  # a hash per whole block, each covering every block before it
         for i in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
             h = hash((h, tuple(ids[i:i + BLOCK])))
-            out.append(h)
-        return out
-
-    def _cache_aware(self, ids: list[int]) -> int:
-        chain = self._chain(ids)
+            chain.append(h)
         matched = [sum(1 for _ in takewhile(s.blocks.__contains__, chain)) * BLOCK / max(1, len(ids))
                    for s in self.replicas]
         target, _why = self.rule.choose([s.load for s in self.replicas], matched,
                                         [len(s.blocks) for s in self.replicas])
-        return target
-
-    def _remember(self, target: int, ids: list[int]) -> None:
-        blocks = self.replicas[target].blocks
-        for h in self._chain(ids):
+        blocks = self.replicas[target].blocks  # what is sent there is (soon) cached there
+        for h in chain:
             blocks[h] = None
             blocks.move_to_end(h)
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
+        return target
 
 
 def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inputs: list[str],
