@@ -73,7 +73,6 @@ class ToolCallParser(ABC):
         self._pos = 0
         self._finished = False
         self._out = StreamDelta()
-        self._content_parts: list[str] = []
         self._pending_ws = ""  # trailing whitespace: dropped if a call follows, else released
         self._after_call = False  # whitespace right after a call is dropped too
         self._calls: list[list[str]] = []  # [id, name, arguments...]
@@ -88,17 +87,19 @@ class ToolCallParser(ABC):
         if self._finished:
             raise RuntimeError("feed() after finish()")
         self._buf += text
-        self._run(final=False)
+        while self._step(final=False):
+            pass
         return self._take()
 
     def finish(self) -> StreamDelta:
         """The end of the text: whatever was held back is settled."""
         if not self._finished:
-            self._run(final=True)
+            while self._step(final=True):
+                pass
             if self._open_call:  # cut off inside a call (length limit): not a usable call
                 self._malformed = True
                 self._open_call = False
-            self._release(self._pending_ws)
+            self._out.content += self._pending_ws
             self._pending_ws = ""
             self._finished = True
         return self._take()
@@ -106,12 +107,10 @@ class ToolCallParser(ABC):
     def parse(self, text: str) -> ParseResult:
         """The whole text at once (this parser's own stream state is not touched)."""
         fresh = type(self)(self.tool_names)
-        fresh.feed(text)
-        fresh.finish()
+        content = fresh.feed(text).content + fresh.finish().content
         if fresh._malformed:
             return ParseResult(content=text, calls=[])
         calls = [ToolCall(id=c[0], name=c[1], arguments="".join(c[2:])) for c in fresh._calls]
-        content = "".join(fresh._content_parts)
         return ParseResult(content=content or (None if calls else ""), calls=calls)
 
     @property
@@ -139,7 +138,7 @@ class ToolCallParser(ABC):
         text = self._pending_ws + text
         body = text.rstrip()
         self._pending_ws = text[len(body):]
-        self._release(body)
+        self._out.content += body
 
     def _start_call(self, name: str) -> None:
         self._pending_ws = ""
@@ -224,15 +223,6 @@ class ToolCallParser(ABC):
         return True
 
     # ---- internals -----------------------------------------------------------------------
-    def _release(self, text: str) -> None:
-        if text:
-            self._content_parts.append(text)
-            self._out.content += text
-
-    def _run(self, final: bool) -> None:
-        while self._step(final):
-            pass
-
     def _take(self) -> StreamDelta:
         out, self._out = self._out, StreamDelta()
         return out

@@ -21,10 +21,15 @@ class CallArrayParser(ToolCallParser):
     name = "call_array"
 
     def _step(self, final: bool) -> bool:
+        if self._mode == "block":
+            status = self._advance_json_call(final)
+            if status is Status.MORE:
+                return False
+            self._malformed |= status is Status.FAILED
+            self._mode = "broken" if status is Status.FAILED else "next"
+            return True
         rest = self._buf[self._pos:]
         stripped = rest.lstrip()
-        if self._mode == "block":
-            return self._block(final)
         if self._mode == "broken":
             self._pos = len(self._buf)
             return False
@@ -48,17 +53,6 @@ class CallArrayParser(ToolCallParser):
             self._open_json_call(self._pos - 1)
         else:  # ","
             self._open_json_call(self._pos)
-        return True
-
-    def _block(self, final: bool) -> bool:
-        status = self._advance_json_call(final)
-        if status is Status.MORE:
-            return False
-        if status is Status.DONE:
-            self._mode = "next"
-        else:
-            self._malformed = True
-            self._mode = "broken"
         return True
 
 

@@ -31,11 +31,11 @@ class Llama3Parser(ToolCallParser):
         if self._mode == "block":
             return self._json_block(final, "after")
         if self._mode == "after":
-            return self._after(rest, stripped, final)
+            return self._after(stripped, final)
         self._pos = len(self._buf)  # "discard": the rest of a broken call
         return False
 
-    def _after(self, rest: str, stripped: str, final: bool) -> bool:
+    def _after(self, stripped: str, final: bool) -> bool:
         """After a call: ";" and another call, or the end of the calls."""
         if not stripped.startswith(";"):
             if not stripped and not final:
