@@ -114,15 +114,12 @@ class StopChecker:
         text = self.decoder.push([token])
         if len(text) == self.checked:
             return None
-        best: tuple[int, int, str] | None = None
-        for stop in self.stops:
-            pos = text.find(stop, max(0, self.checked - len(stop) + 1))
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, pos + len(stop), stop)
-        for rx in self.regexes:
-            m = _search(rx.search, text, max(0, self.checked - rx.span + 1))
-            if m is not None and (best is None or m[0] < best[0]):
-                best = (*m, rx.pattern)
+        # Each stop's first match in the new text, as (start, end, stop); the earliest wins.
+        found = [(pos, pos + len(stop), stop) for stop in self.stops
+                 if (pos := text.find(stop, max(0, self.checked - len(stop) + 1))) != -1]
+        found += [(*m, rx.pattern) for rx in self.regexes
+                  if (m := _search(rx.search, text, max(0, self.checked - rx.span + 1)))]
+        best = min(found, key=lambda f: f[0], default=None)
         self.checked = len(text)
         if best is not None:
             self.matched = best[2]
