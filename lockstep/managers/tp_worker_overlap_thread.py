@@ -42,10 +42,9 @@ class TpModelWorkerClient:
         self._cuda = self.future_tokens.is_cuda
         self._cuda_device = torch.cuda.current_device() if self._cuda else None
         self._stream = torch.cuda.Stream() if self._cuda else None
-        self._inputs: queue.Queue[Job | None] = queue.Queue()
+        self._inputs: queue.Queue[Job] = queue.Queue()
         self._outputs: queue.Queue[GenerationBatchResult | BaseException] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="lockstep-forward")
-        self._thread.start()
+        threading.Thread(target=self._loop, daemon=True, name="lockstep-forward").start()
 
     def submit(self, batch: ModelWorkerBatch) -> list[int]:
         """Queue `batch` for the forward thread; returns the placeholder id of each token it
@@ -71,19 +70,13 @@ class TpModelWorkerClient:
             raise RuntimeError("the forward thread failed") from out
         return out
 
-    def shutdown(self) -> None:
-        self._inputs.put(None)
-        self._thread.join()
-
     # ---- the forward thread -------------------------------------------------------------
     def _loop(self) -> None:
         if self._cuda:
             torch.cuda.set_device(self._cuda_device)
             torch.cuda.set_stream(self._stream)
-        while True:
+        while True:  # a daemon thread: it ends with its scheduler process
             item = self._inputs.get()
-            if item is None:
-                return
             try:
                 self._outputs.put(self._run(*item))
             except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
