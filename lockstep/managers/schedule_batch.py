@@ -24,7 +24,6 @@ from lockstep.constrained.backend import GrammarMatcher
 from lockstep.core import BaseFinishReason, ForwardBatch, ForwardMode, SamplingParams, TokenLogprob
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
 from lockstep.managers.stop_checker import StopChecker
-from lockstep.messages import TokenizedGenerateReq
 
 
 class ReqPhase(Enum):  # where a request is in the scheduler (ReqState is the front's record)
@@ -68,11 +67,6 @@ class Req:
     # the drafter's state of this request (an ngram_drafter.DraftState).
     draft: list[int] = field(default_factory=list)
     spec: Any = None
-
-    @classmethod
-    def from_input(cls, r: TokenizedGenerateReq, arrival: int) -> Req:
-        return cls(r.rid, list(r.input_ids), r.sampling_params, r.return_logprob,
-                   r.logprob_start_len, r.top_logprobs_num, arrival)
 
     def limits_error(self, context_len: int, max_req_len: int, vocab_size: int) -> str | None:
         """Why the request can never run here (a 400), or None. `max_req_len` is the smaller of

@@ -122,7 +122,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         """Every check of a request, once: a 400 is its first output, which the front awaits."""
-        req = Req.from_input(msg, self.step_count)
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.return_logprob,
+                  msg.logprob_start_len, msg.top_logprobs_num, self.step_count)
         p = req.sampling_params
         error = req.limits_error(self.context_len, self.max_req_len, self.vocab_size)
         if error is None and p.constraint is not None:
