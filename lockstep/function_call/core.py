@@ -118,10 +118,6 @@ class ToolCallParser(ABC):
         """A call announced to the stream whose markup then broke (or was cut off)."""
         return self._malformed
 
-    @property
-    def num_calls(self) -> int:
-        return len(self._calls)
-
     # ---- for subclasses ------------------------------------------------------------------
     @abstractmethod
     def _step(self, final: bool) -> bool:

@@ -47,8 +47,8 @@ class CallArrayParser(ToolCallParser):
         if stripped[0] == "[":
             self._mode = "first"
         elif stripped[0] == "]":
-            self._mode = "broken" if self.num_calls == 0 else "done"
-            self._malformed = self.num_calls == 0
+            self._malformed = not self._calls  # an empty array is not a call
+            self._mode = "broken" if self._malformed else "done"
         elif stripped[0] == "{":
             self._open_json_call(self._pos - 1)
         else:  # ","

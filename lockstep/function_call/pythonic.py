@@ -53,10 +53,6 @@ class PythonicParser(ToolCallParser):
             else:
                 self._mode = "content"
             return True
-        if self._mode == "content":
-            self._content(rest)
-            self._pos = len(self._buf)
-            return False
         if self._mode == "list":
             ok = self._list_step()
             if ok is None:
@@ -66,13 +62,13 @@ class PythonicParser(ToolCallParser):
             if not ok:
                 self._fail()
             return True
-        self._pos = len(self._buf)  # "discard" (a broken list) or "done"
-        if self._mode == "done":
+        if self._mode == "content":
             self._content(rest)
+        self._pos = len(self._buf)  # all taken: as content, or as the rest of a broken list
         return False
 
     def _fail(self) -> None:
-        if self.num_calls:  # announced calls cannot be taken back; the list is unusable
+        if self._calls:  # announced calls cannot be taken back; the list is unusable
             self._end_call(ok=False)
             self._mode = "discard"
         else:  # not a call list: the "[" is text, and so is the rest
@@ -131,7 +127,7 @@ class PythonicParser(ToolCallParser):
         if buf[pos] == ",":
             self._phase = "name"
         else:
-            self._mode = "done"  # what follows the list is content
+            self._mode = "content"  # what follows the list is content
         return True
 
     def _scan_value(self) -> bool | None:
