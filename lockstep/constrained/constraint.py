@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import llguidance
 import orjson
@@ -20,7 +20,7 @@ from pydantic import AfterValidator
 
 ConstraintKind = Literal["regex", "json_schema", "ebnf"]
 # SGLang's sampling_params names, in the order its error message lists them.
-CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("regex", "json_schema", "ebnf")
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = get_args(ConstraintKind)
 
 # JSON is generated as json.dumps writes it by default: one space after ',' and ':', no other
 # whitespace. Flexible whitespace lets a small model pad forever with newlines before a value.
