@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 
 from lockstep.core import FINISH_ABORT
-from lockstep.entrypoints.tokenizer_manager import ReqState, TokenizerManager
+from lockstep.entrypoints.tokenizer_manager import ReqState, TokenizerManager, spec_rates
 from lockstep.messages import ReqOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -91,11 +91,10 @@ class Metrics:
             # Speculative decoding over the finished requests that drafted: SGLang's names.
             "sglang:spec_accept_rate": ("The average acceptance rate of speculative decoding "
                                         "(accepted tokens / draft tokens).",
-                                        lambda: self._spec[2] / max(1, self._spec[1])),
+                                        lambda: spec_rates(*self._spec)[0]),
             "sglang:spec_accept_length": ("The average acceptance length of speculative "
                                           "decoding (tokens per verify pass).",
-                                          lambda: (self._spec[0] + self._spec[2])
-                                          / self._spec[0] if self._spec[0] else 1.0),
+                                          lambda: spec_rates(*self._spec)[1]),
         }
         ranks = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
         for name, (doc, fn) in gauges.items():

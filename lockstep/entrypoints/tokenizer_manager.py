@@ -55,6 +55,13 @@ class RequestError(ValueError):
 TOKENIZE_OFF_LOOP_CHARS = 16_384
 
 
+def spec_rates(passes: int, drafted: int, accepted: int) -> tuple[float, float]:
+    """Speculative decoding's acceptance rate (accepted / drafted) and length (tokens per verify
+    pass), as SGLang defines them: for one request's meta_info and the server's /metrics."""
+    return (accepted / drafted if drafted else 0.0,
+            (passes + accepted) / passes if passes else 1.0)
+
+
 @dataclass
 class GenerateOutput:
     """One output of a request: everything so far (`text`, `output_ids`, the logprob lists,
@@ -90,10 +97,10 @@ class GenerateOutput:
             meta["dp_rank"] = self.dp_rank
         if self.spec is not None:  # SGLang's names
             passes, drafted, accepted = self.spec
+            rate, length = spec_rates(*self.spec)
             meta.update(spec_verify_ct=passes, spec_draft_token_num=drafted,
-                        spec_accept_token_num=accepted,
-                        spec_accept_rate=accepted / drafted if drafted else 0.0,
-                        spec_accept_length=(passes + accepted) / passes if passes else 1.0)
+                        spec_accept_token_num=accepted, spec_accept_rate=rate,
+                        spec_accept_length=length)
         for name in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs",
                      "input_top_logprobs"):
             if getattr(self, name) is not None:
