@@ -12,11 +12,18 @@ import inspect
 import json
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jinja2
 
-from lockstep.entrypoints.openai.builtin_chat_templates import BUILTIN_CHAT_TEMPLATES
+# The built-ins, one per family lockstep serves, tools included: each reproduces its family's
+# official format (with `tools` as the family's instruct models were trained to see them). They
+# are Jinja files beside this module, each opening with a comment on where its format comes from.
+BUILTIN_CHAT_TEMPLATES: dict[str, str] = {
+    path.stem: path.read_text(encoding="utf-8")
+    for path in sorted((Path(__file__).parent / "chat_templates_builtin").glob("*.jinja"))
+}
 
 
 class ChatTemplateError(ValueError):
