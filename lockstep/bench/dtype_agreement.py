@@ -2,6 +2,11 @@
 
     python -m lockstep.bench.dtype_agreement --num-prompts 20 --output-len 32
     python -m lockstep.bench.dtype_agreement --dtype float32 --int8-activations
+    python -m lockstep.bench.dtype_agreement --llama-server http://127.0.0.1:PORT   # llama.cpp's own
+
+With ``--llama-server`` the compared model is a running llama.cpp ``llama-server`` serving the same
+GGUF (token ids in, so both see the same tokens): its greedy token after every teacher-forced
+prefix (``/completion``, ``n_predict`` 1, temperature 0, prompt cache on) and its own greedy run.
 
 Runs the serving path in-process (``create_scheduler``, as a scheduler process does) once per
 dtype. float32 first decodes every prompt greedily. Then both dtypes are teacher-forced on those
@@ -78,6 +83,25 @@ def teacher_forced_top(sched: Any, prompts: list[list[int]], conts: list[list[in
     return out
 
 
+def _llama_server(url: str, body: dict[str, Any]) -> list[int]:
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/completion", data=json.dumps(
+        {**body, "temperature": 0, "return_tokens": True, "cache_prompt": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())["tokens"]
+
+
+def llama_server_runs(url: str, prompts: list[list[int]], conts: list[list[int]], n: int
+                      ) -> tuple[list[list[int]], list[list[int]]]:
+    """llama-server's free-running greedy tokens and its teacher-forced top-1 per position."""
+    free = [_llama_server(url, {"prompt": p, "n_predict": n, "ignore_eos": True}) for p in prompts]
+    top1 = [[_llama_server(url, {"prompt": p + c[:i], "n_predict": 1, "ignore_eos": True})[0]
+             for i in range(len(c))] for p, c in zip(prompts, conts)]
+    return free, top1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lockstep bench dtype_agreement", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None)
@@ -89,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Compare float32 with --quantization instead (use with --dtype float32).")
     p.add_argument("--int8-activations", action="store_true",
                    help="Compare float32 with --int8-activations (use with --dtype float32).")
+    p.add_argument("--llama-server", default=None, metavar="URL",
+                   help="Compare float32 with a llama-server serving the same GGUF (its own agreement).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -108,22 +134,27 @@ def main(argv: list[str] | None = None) -> int:
     ref = greedy(f32, prompts, args.output_len)
     ref_top = teacher_forced_top(f32, prompts, ref)
     del f32
-    low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts, args.quantization,
-                     args.int8_activations)
-    label = " ".join([args.dtype] + ([f"--quantization {args.quantization}"] if args.quantization else [])
-                     + (["--int8-activations"] if args.int8_activations else []))
-    free = greedy(low, prompts, args.output_len)
-    low_top = teacher_forced_top(low, prompts, ref)
-    del low
+    if args.llama_server:
+        label = f"llama-server {args.llama_server}"
+        free, low_top1 = llama_server_runs(args.llama_server.rstrip("/"), prompts, ref,
+                                           args.output_len)
+    else:
+        low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts, args.quantization,
+                         args.int8_activations)
+        label = " ".join([args.dtype] + ([f"--quantization {args.quantization}"] if args.quantization
+                                         else []) + (["--int8-activations"] if args.int8_activations else []))
+        free = greedy(low, prompts, args.output_len)
+        low_top1 = [[pos[0][1] for pos in t] for t in teacher_forced_top(low, prompts, ref)]
+        del low
     elapsed = time.perf_counter() - t
 
     total = agree = self_agree = 0
     margins_at_flip: list[float] = []
-    for c, rt, lt in zip(ref, ref_top, low_top):
+    for c, rt, lt in zip(ref, ref_top, low_top1):
         for pos, tok_id in enumerate(c):
             total += 1
             self_agree += rt[pos][0][1] == tok_id
-            if lt[pos][0][1] == tok_id:
+            if lt[pos] == tok_id:
                 agree += 1
             else:
                 margins_at_flip.append(rt[pos][0][0] - rt[pos][1][0])
