@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from lockstep.utils.asgi import BodyLimit
 from lockstep.utils.http import error_body, error_response
 
 RETRY_AFTER_S = 1
@@ -108,18 +109,14 @@ class BoundedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-class GuardMiddleware:
-    """Pure ASGI (streams and disconnects pass straight through): the API key on every route but
-    /health, 503 (with Retry-After) on the generation routes while the server drains or goes
-    down, and a body over `max_body` bytes refused with 413, whether its Content-Length says so
-    or it is streamed in chunks. A body is read whole before the route runs; a client gone before
-    its body arrived gets no answer."""
+class GuardMiddleware(BodyLimit):
+    """The API key on every route but /health, 503 (with Retry-After) on the generation routes
+    while the server drains or goes down, and the body-size limit (BodyLimit)."""
 
     def __init__(self, app: Any, api_key: str | None, max_body: int,
                  status: ServerStatus | None = None) -> None:
-        self.app = app
+        super().__init__(app, max_body)
         self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body = max_body
         self.status = status
 
     def _refusal(self, scope: Any, headers: dict[bytes, bytes]) -> Response | None:
@@ -132,56 +129,11 @@ class GuardMiddleware:
                 refusal = error_response(msg, 401)
                 refusal.headers["WWW-Authenticate"] = "Bearer"
                 return refusal
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_body:
-            return error_response(f"request body is {int(length)} bytes; the limit is "
-                                  f"{self.max_body}", 413)
-        if self.status is not None and path in _GENERATION_PATHS:
+        refusal = super()._refusal(scope, headers)  # the Content-Length over the limit
+        if refusal is None and self.status is not None and path in _GENERATION_PATHS:
             why = self.status.unavailable()
-            if why is not None:
-                return unavailable_response(why)
-        return None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        refusal = self._refusal(scope, dict(scope.get("headers") or []))
-        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            chunks: list[bytes] = []
-            size = 0
-            more = True
-            while more:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return  # nobody to answer, nothing to log
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                more = message.get("more_body", False)
-                if size > self.max_body:
-                    refusal = error_response(
-                        f"request body exceeds the limit of {self.max_body} bytes", 413)
-                    break
-            else:
-                receive = _replay(b"".join(chunks), receive)
-        if refusal is not None:
-            await refusal(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """`receive` that hands out `body` once, then whatever the client sends next (a disconnect)."""
-    sent = False
-
-    async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
+            refusal = unavailable_response(why) if why is not None else None
+        return refusal
 
 
 class JSONRequest(Request):

@@ -17,7 +17,7 @@ from starlette.responses import PlainTextResponse, Response
 from lockstep.router.metrics import render as render_metrics
 from lockstep.router.policies import routing_text
 from lockstep.router.router import Router, RouterConfig
-from lockstep.utils.asgi import unless_disconnected
+from lockstep.utils.asgi import BodyLimit, unless_disconnected
 from lockstep.utils.flags import add_flags, from_flags
 from lockstep.utils.http import error_response, json_response
 
@@ -36,17 +36,6 @@ def _forward_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_REQUEST_HEADERS}
 
 
-async def _read_body(request: Request) -> bytes | Response:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        return error_response(f"request body is {declared} bytes; the limit is {MAX_BODY_BYTES}",
-                              413)
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        return error_response(f"request body exceeds the limit of {MAX_BODY_BYTES} bytes", 413)
-    return body
-
-
 def create_app(config: RouterConfig) -> FastAPI:
     router = Router(config)
 
@@ -63,11 +52,10 @@ def create_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="lockstep router", lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
     app.state.router = router
+    app.add_middleware(BodyLimit, max_body=MAX_BODY_BYTES)
 
     async def generation(request: Request, path: str) -> Response:
-        body = await _read_body(request)
-        if isinstance(body, Response):
-            return body
+        body = await request.body()
         try:
             parsed = orjson.loads(body) if body.strip() else None
         except orjson.JSONDecodeError:
@@ -82,9 +70,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             return Response(status_code=499)  # nobody is listening any more
 
     async def from_one(request: Request, path: str) -> Response:
-        body = await _read_body(request) if request.method == "POST" else None
-        if isinstance(body, Response):
-            return body
+        body = await request.body() if request.method == "POST" else None
         return await router.dispatch(request.method, path, body, _forward_headers(request),
                                      lambda candidates: min(candidates, key=lambda w: w.load))
 
@@ -135,10 +121,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await _read_body(request)
-        if isinstance(body, Response):
-            return body
-        results = await router.broadcast("POST", "/abort_request", body,
+        results = await router.broadcast("POST", "/abort_request", await request.body(),
                                          _forward_headers(request))
         aborted: list[str] = []
         for _w, status, data in results:

@@ -1,4 +1,5 @@
-"""Work that stops the moment the client disconnects: one watcher for every route and stream."""
+"""Work that stops the moment the client disconnects: one watcher for every route and stream;
+and the request-body limit that the server and the router share."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
+
+from lockstep.utils.http import error_response
 
 T = TypeVar("T")
 
@@ -62,3 +65,62 @@ class SSEResponse(DisconnectAwareStreamingResponse):
 
     def __init__(self, content: Any, status_code: int = 200) -> None:
         super().__init__(content, status_code, headers=SSE_HEADERS, media_type="text/event-stream")
+
+
+class BodyLimit:
+    """Pure ASGI middleware (streams and disconnects pass straight through): a body over
+    `max_body` bytes is refused with 413, whether its Content-Length says so or it is streamed in
+    chunks. A body is read whole before the route runs; a client gone before its body arrived
+    gets no answer. Subclasses refuse more in `_refusal`."""
+
+    def __init__(self, app: Any, max_body: int) -> None:
+        self.app = app
+        self.max_body = max_body
+
+    def _refusal(self, scope: Any, headers: dict[bytes, bytes]) -> Response | None:
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:
+            return error_response(f"request body is {int(length)} bytes; the limit is "
+                                  f"{self.max_body}", 413)
+        return None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(scope, dict(scope.get("headers") or []))
+        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            chunks: list[bytes] = []
+            size = 0
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # nobody to answer, nothing to log
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+                if size > self.max_body:
+                    refusal = error_response(
+                        f"request body exceeds the limit of {self.max_body} bytes", 413)
+                    break
+            else:
+                receive = _replay(b"".join(chunks), receive)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """`receive` that hands out `body` once, then whatever the client sends next (a disconnect)."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
