@@ -60,21 +60,16 @@ def broadcast_pyobj(obj: Any, group: ParallelGroup, src: int | None = None) -> A
     if group.size == 1:
         return obj
     src = group.first_global_rank if src is None else src
-    if group.global_rank == src:
-        data = pickle.dumps(obj) if obj else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=src, group=group.cpu_group)
-        if data:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            dist.broadcast(buf, src=src, group=group.cpu_group)
-        return obj
-    size = torch.tensor([0], dtype=torch.int64)
+    sending = group.global_rank == src
+    data = pickle.dumps(obj) if sending and obj else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group.cpu_group)
-    if int(size) == 0:
-        return obj.__class__() if obj is not None else None
-    buf = torch.empty(int(size), dtype=torch.uint8)
+    if int(size) == 0:  # the sender's empty obj; elsewhere an empty one of the local obj's type
+        return obj if sending or obj is None else obj.__class__()
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if sending
+           else torch.empty(int(size), dtype=torch.uint8))
     dist.broadcast(buf, src=src, group=group.cpu_group)
-    return pickle.loads(buf.numpy().tobytes())
+    return obj if sending else pickle.loads(buf.numpy().tobytes())
 
 
 def all_gather_pyobj(obj: Any, group: ParallelGroup) -> list[Any]:
