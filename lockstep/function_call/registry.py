@@ -13,20 +13,13 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     cls.name: cls for cls in (Qwen25Parser, Llama3Parser, PythonicParser)
 }
 
-# Only families whose instruct models were trained on one call format; Gemma 3 has none. Keyed
-# by model_type, and by architecture for configs whose model_type is not one of these.
-_DEFAULT_PARSER = {
-    "qwen2": "qwen25",
-    "qwen3": "qwen25",
-    "qwen2_moe": "qwen25",
-    "qwen3_moe": "qwen25",
-    "llama": "llama3",
-    "Qwen2ForCausalLM": "qwen25",
-    "Qwen3ForCausalLM": "qwen25",
-    "Qwen2MoeForCausalLM": "qwen25",
-    "Qwen3MoeForCausalLM": "qwen25",
-    "LlamaForCausalLM": "llama3",
-}
+# Model families by model_type and by architecture (a config may name only one of them); the
+# chat templates (entrypoints/openai/chat_templates.py) key on the same names.
+QWEN_NAMES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+              "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+LLAMA_NAMES = ("llama", "LlamaForCausalLM")
+# Only families whose instruct models were trained on one call format; Gemma 3 has none.
+_DEFAULT_PARSER = {**dict.fromkeys(QWEN_NAMES, "qwen25"), **dict.fromkeys(LLAMA_NAMES, "llama3")}
 
 
 def make_parser(name: str, tool_names: Iterable[str]) -> ToolCallParser:

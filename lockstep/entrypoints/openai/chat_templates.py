@@ -17,6 +17,8 @@ from typing import Any
 
 import jinja2
 
+from lockstep.function_call.registry import LLAMA_NAMES, QWEN_NAMES
+
 # The built-ins, one per family lockstep serves, tools included: each reproduces its family's
 # official format (with `tools` as the family's instruct models were trained to see them). They
 # are Jinja files beside this module, each opening with a comment on where its format comes from.
@@ -35,26 +37,16 @@ ARCH_TO_TEMPLATE: dict[str, str] = {
     **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text", "GemmaForCausalLM",
                      "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
                     "gemma"),
-    **dict.fromkeys(("llama", "LlamaForCausalLM"), "llama3"),
-    **dict.fromkeys(("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "Qwen2ForCausalLM",
-                     "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"), "chatml"),
+    **dict.fromkeys(LLAMA_NAMES, "llama3"),
+    **dict.fromkeys(QWEN_NAMES, "chatml"),
 }
 
 # SGLang's names for the same formats, so that its --chat-template values keep working.
-_ALIASES = {
-    "gemma-it": "gemma",
-    "llama-3-instruct": "llama3",
-    "qwen": "chatml",
-    "qwen2-vl": "chatml",
-}
+_ALIASES = {"gemma-it": "gemma", "llama-3-instruct": "llama3", "qwen": "chatml", "qwen2-vl": "chatml"}
 
 
-def resolve_chat_template(
-    requested: str | None,
-    tokenizer_template: str | None,
-    model_type: str,
-    architectures: Sequence[str],
-) -> str | None:
+def resolve_chat_template(requested: str | None, tokenizer_template: str | None, model_type: str,
+                          architectures: Sequence[str]) -> str | None:
     """The template to use: --chat-template, else the tokenizer's, else the family's built-in."""
     if requested:
         return _load_requested(requested)
@@ -79,10 +71,8 @@ def _load_requested(requested: str) -> str:
     builtins = ", ".join(sorted(BUILTIN_CHAT_TEMPLATES))
     if os.path.exists(requested):
         raise ChatTemplateError(f"chat template {requested!r} is not a regular file")
-    raise ChatTemplateError(
-        f"chat template {requested!r} not found: it is neither a built-in template "
-        f"({builtins}) nor an existing file"
-    )
+    raise ChatTemplateError(f"chat template {requested!r} not found: it is neither a built-in "
+                            f"template ({builtins}) nor an existing file")
 
 
 def _read_template_file(path: str) -> str:
@@ -111,15 +101,9 @@ def renderer_arguments(tokenizer: Any) -> frozenset[str]:
     return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
 
 
-def render_chat(
-    tokenizer: Any,
-    template: str,
-    messages: list[dict],
-    *,
-    add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
-    extra_context: Mapping[str, Any] | None = None,
-) -> str:
+def render_chat(tokenizer: Any, template: str, messages: list[dict], *,
+                add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                extra_context: Mapping[str, Any] | None = None) -> str:
     """Renders messages (validated at the HTTP edge: text content) to a prompt string;
     ChatTemplateError (a ValueError) when the template refuses them. `extra_context` reaches the
     template as variables (bos_token etc. override the tokenizer's)."""
