@@ -27,11 +27,8 @@ from lockstep.model_loader.stop_tokens import END_OF_TURN_TOKENS
 
 logger = logging.getLogger(__name__)
 
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -53,12 +50,8 @@ _GEMMA3_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 # The GGUF architectures supported, and the HF class of each.
-_HF_ARCHITECTURES = {
-    "gemma3": "Gemma3ForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+_HF_ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM",
+                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
@@ -87,9 +80,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     meta = _Metadata(reader, gguf_path)
     tensors = {t.name: t for t in reader.tensors}
     config = build_config(meta, tensors)
-    logger.info(
-        "indexing %s (%s, %d tensors) into %s", gguf_path, meta.arch, len(tensors), out_dir
-    )
+    logger.info("indexing %s (%s, %d tensors) into %s", gguf_path, meta.arch, len(tensors), out_dir)
     index = _tensor_index(reader, meta, config)
     _check_shapes(index, config, gguf_path)
     (out_dir / TENSOR_INDEX).write_text(json.dumps(
@@ -104,10 +95,8 @@ class _Metadata:
         self.path = path
         arch = self.get("general.architecture")
         if arch not in _HF_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{path}: unsupported GGUF architecture {arch!r} "
-                f"(supported: {', '.join(_HF_ARCHITECTURES)})"
-            )
+            raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
+                                 f"(supported: {', '.join(_HF_ARCHITECTURES)})")
         self.arch: str = arch
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -136,10 +125,8 @@ def _f32(value: Any) -> float:
 
 
 def _rope(meta: _Metadata, default_theta: float) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "rope_type": "default",
-        "rope_theta": _f32(meta.arch_get("rope.freq_base", default_theta)),
-    }
+    params: dict[str, Any] = {"rope_type": "default",
+                              "rope_theta": _f32(meta.arch_get("rope.freq_base", default_theta))}
     kind = meta.arch_get("rope.scaling.type")
     if kind in ("linear", "yarn"):
         params.update(rope_type=kind, factor=_f32(meta.require("rope.scaling.factor")))
@@ -169,20 +156,12 @@ def _llama3_rope(freqs: np.ndarray, theta: float, rope_dim: int) -> dict[str, An
     candidates = [round(float(w * (3 * s + 1))) for w, s in zip(wavelen[middle], smooth[middle])]
     for original in [*candidates[:1], 8192]:
         s = (original / wavelen - 1.0) / 3.0
-        expected = np.where(
-            wavelen < original / 4.0,
-            1.0,
-            np.where(wavelen > original, factor, 1 / ((1 - s) / factor + s)),
-        )
+        expected = np.where(wavelen < original / 4.0, 1.0,
+                            np.where(wavelen > original, factor, 1 / ((1 - s) / factor + s)))
         if np.allclose(expected, freqs, rtol=1e-4):
-            return {
-                "rope_type": "llama3",
-                "rope_theta": theta,
-                "factor": factor,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": original,
-            }
+            return {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": original}
     return None
 
 
@@ -249,18 +228,13 @@ def _gemma3_extras(meta: _Metadata, common: dict[str, Any]) -> dict[str, Any]:
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 3 27B (62 layers), which
         # uses hidden_size / num_heads, as its HF config's query_pre_attn_scalar does.
-        "query_pre_attn_scalar": (
-            common["hidden_size"] // common["num_attention_heads"]
-            if n_layers == 62
-            else common["head_dim"]
-        ),
+        "query_pre_attn_scalar": (common["hidden_size"] // common["num_attention_heads"]
+                                  if n_layers == 62 else common["head_dim"]),
         "rope_parameters": {
             "full_attention": _rope(meta, 1_000_000.0),
             # GGUF rarely records the local base; llama.cpp hard-codes Gemma 3's 10k.
-            "sliding_attention": {
-                "rope_type": "default",
-                "rope_theta": _f32(meta.arch_get("rope.freq_base_swa", 10000.0)),
-            },
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": _f32(meta.arch_get("rope.freq_base_swa", 10000.0))},
         },
     }
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
@@ -287,13 +261,9 @@ def _tensor_index(reader: GGUFReader, meta: _Metadata, config: Any) -> dict[str,
             q = ".q_proj." in hf_name
             transform = ["unpermute", config.num_attention_heads if q else config.num_key_value_heads]
         index[hf_name] = {
-            "gguf": t.name,
-            "qtype": t.tensor_type.name,
+            "gguf": t.name, "qtype": t.tensor_type.name,
             "shape": [int(d) for d in reversed(t.shape)],  # ggml lists dims fastest-first
-            "offset": int(t.data_offset),
-            "nbytes": int(t.n_bytes),
-            "transform": transform,
-        }
+            "offset": int(t.data_offset), "nbytes": int(t.n_bytes), "transform": transform}
     return index
 
 
@@ -310,10 +280,8 @@ def _check_shapes(index: dict[str, dict[str, Any]], config: Any, gguf_path: Path
     for name, entry in index.items():
         want = expected.get(name)
         if want is None or tuple(entry["shape"]) != want:
-            raise ModelLoadError(
-                f"{gguf_path}: tensor {name} has shape {tuple(entry['shape'])}, "
-                f"the model expects {want}"
-            )
+            raise ModelLoadError(f"{gguf_path}: tensor {name} has shape "
+                                 f"{tuple(entry['shape'])}, the model expects {want}")
     missing = sorted(set(expected) - set(index))
     if missing:
         raise ModelLoadError(f"{gguf_path}: missing tensors {missing[:5]} ({len(missing)} in all)")
@@ -324,8 +292,7 @@ def _write_tokenizer(gguf_path: Path, meta: _Metadata, config: Any, out_dir: Pat
 
     try:
         tok = (_tokenizer_class(config) or AutoTokenizer).from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name
-        )
+            str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: cannot build a tokenizer from its metadata: {e}") from e
     template = meta.get("tokenizer.chat_template")
@@ -353,9 +320,8 @@ def _reloads_identically(tok: Any, out_dir: Path) -> bool:
     return all(reloaded(p).input_ids == tok(p).input_ids for p in probes)
 
 
-def _write_generation_config(
-    meta: _Metadata, config: Any, vocab: dict[str, int], out_dir: Path
-) -> None:
+def _write_generation_config(meta: _Metadata, config: Any, vocab: dict[str, int],
+                             out_dir: Path) -> None:
     from transformers import GenerationConfig
 
     generation = GenerationConfig.from_model_config(config)

@@ -61,10 +61,8 @@ def resolve_model(model_path: str | None, cache_dir: Path | None = None) -> Mode
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs and not (path / "config.json").exists():
-            raise ModelLoadError(
-                f"{path / 'config.json'}: missing model config; to load {ggufs[0].name}, "
-                "pass the .gguf file itself"
-            )
+            raise ModelLoadError(f"{path / 'config.json'}: missing model config; to load "
+                                 f"{ggufs[0].name}, pass the .gguf file itself")
         source = load_hf_dir(path, origin)
         logger.info("loaded %s in %.2f s", path, time.perf_counter() - start)
         return source
@@ -104,11 +102,10 @@ def _resolve_gguf(path: Path, origin: str, cache_dir: Path, start: float) -> Mod
             if cached is None:
                 _convert_into(path, digest, target)
                 source = _load_converted(target, origin, path)
-                elapsed = time.perf_counter() - start
-                logger.info("%s: converted in %.2f s (%s)", path, elapsed, target)
+                logger.info("%s: converted in %.2f s (%s)", path, time.perf_counter() - start,
+                            target)
                 return source
-    elapsed = time.perf_counter() - start
-    logger.info("%s: loaded from cache in %.2f s (%s)", path, elapsed, target)
+    logger.info("%s: loaded from cache in %.2f s (%s)", path, time.perf_counter() - start, target)
     return cached
 
 
@@ -217,16 +214,9 @@ def load_hf_dir(model_dir: Path, origin: str, gguf_file: Path | None = None) -> 
         check_safetensors(f)
     if not _has_tokenizer(model_dir):
         raise ModelLoadError(
-            f"{model_dir}: no tokenizer (expected tokenizer.json, tokenizer.model or vocab.json)"
-        )
-    return ModelSource(
-        model_dir=model_dir,
-        hf_config=hf_config,
-        weight_files=weight_files,
-        chat_template=_chat_template(model_dir),
-        origin=origin,
-        gguf_file=gguf_file,
-    )
+            f"{model_dir}: no tokenizer (expected tokenizer.json, tokenizer.model or vocab.json)")
+    return ModelSource(model_dir, hf_config, weight_files, _chat_template(model_dir), origin,
+                       gguf_file)
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -244,10 +234,8 @@ def _weight_files(model_dir: Path) -> tuple[Path, ...]:
         return (single,)
     index_path = model_dir / "model.safetensors.index.json"
     if not index_path.is_file():
-        raise ModelLoadError(
-            f"{model_dir}: no model.safetensors or model.safetensors.index.json "
-            "(only safetensors weights are supported)"
-        )
+        raise ModelLoadError(f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+                             "(only safetensors weights are supported)")
     index = _read_json(index_path, "safetensors index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
