@@ -5,13 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ARCH_BY_MODEL_TYPE = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-}
+ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 
 @dataclass(frozen=True)
@@ -58,9 +53,8 @@ class ModelConfig:
         cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg
         model_type = cfg.get("model_type", "")
         if model_type not in ARCH_BY_MODEL_TYPE:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {sorted(ARCH_BY_MODEL_TYPE)}"
-            )
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: "
+                             f"{sorted(ARCH_BY_MODEL_TYPE)}")
         arch = ARCH_BY_MODEL_TYPE[model_type]
         n_heads = cfg["num_attention_heads"]
         n_layers = cfg["num_hidden_layers"]
@@ -69,14 +63,9 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=n_layers,
-            num_heads=n_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
+            arch=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=n_layers, num_heads=n_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position=cfg.get("max_position_embeddings", 8192),
             tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
@@ -84,14 +73,11 @@ class ModelConfig:
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("qwen3", "gemma3"),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
-            rope_global=rope_global,
-            rope_local=rope_local,
+            rope_global=rope_global, rope_local=rope_local,
             layer_windows=_layer_windows(cfg, arch, n_layers),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
-            eos_token_ids=eos_ids,
-        )
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"), eos_token_ids=eos_ids)
 
 
 def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:
@@ -122,10 +108,8 @@ def _layer_windows(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[int |
     types = cfg.get("layer_types")
     if arch == "gemma3" and not types:
         pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-        types = [
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(n_layers)
-        ]
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n_layers)]
     elif arch != "gemma3":
         if not (cfg.get("use_sliding_window") and window):
             return (None,) * n_layers

@@ -43,12 +43,8 @@ def _num(v: Any) -> str:
 
 def _describe(err: Mapping[str, Any]) -> str:
     kind, ctx = err["type"], err.get("ctx") or {}
-    bounds = {
-        "greater_than_equal": ">=",
-        "greater_than": ">",
-        "less_than_equal": "<=",
-        "less_than": "<",
-    }
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
+              "less_than": "<"}
     if kind in bounds:
         return f"must be {bounds[kind]} {_num(next(iter(ctx.values())))}"
     if kind in ("too_short", "string_too_short"):
@@ -90,11 +86,8 @@ def format_errors(errors: Sequence[Mapping[str, Any]], max_errors: int = 5) -> s
         value = err.get("input")
         if err["type"] not in ("missing", "extra_forbidden", "unexpected_keyword_argument") \
                 and isinstance(value, (str, int, float)):
-            shown = (
-                repr(value[:40] + "..." if len(value) > 40 else value)
-                if isinstance(value, str)
-                else str(value)
-            )
+            shown = (repr(value[:40] + "..." if len(value) > 40 else value)
+                     if isinstance(value, str) else str(value))
             text += f", got {shown}"
         where = _where(tuple(err["loc"]))
         if not where and err["type"] in ("model_type", "dict_type", "model_attributes_type"):

@@ -47,12 +47,9 @@ def shaped(branches: dict[str, Any], expected: str,
     """A union chosen by the input's JSON shape, so that a bad value gets one error, not one per
     union member (a shape that is no branch's gets that error too)."""
     members = tuple(Annotated[t, Tag(tag)] for tag, t in branches.items())
-    return Annotated[
-        Union[members],  # noqa: UP007 - built from a tuple
-        Discriminator(
-            pick, custom_error_type="invalid_shape", custom_error_message=f"must be {expected}"
-        ),
-    ]
+    return Annotated[Union[members],  # noqa: UP007 - built from a tuple
+                     Discriminator(pick, custom_error_type="invalid_shape",
+                                   custom_error_message=f"must be {expected}")]
 
 
 def _ids_shape(v: Any) -> str | None:
@@ -72,9 +69,7 @@ IdLists = Annotated[list[Ids], Field(min_length=1)]
 TextInput = shaped({"str": str, "list": Texts}, "a string or a non-empty list of strings")
 IdsInput = shaped({"list": Ids, "list[list]": IdLists},
                   "a list of token ids or a list of lists of token ids", _ids_shape)
-RidInput = shaped(
-    {"str": NonEmptyStr, "list": list[NonEmptyStr]}, "a string or a list of strings"
-)
+RidInput = shaped({"str": NonEmptyStr, "list": list[NonEmptyStr]}, "a string or a list of strings")
 
 UNION_TAGS = frozenset({"str", "list", "dict", "bool", "list[str]", "list[int]", "list[list]"})
 
@@ -105,9 +100,8 @@ class StrictModel(BaseModel):
 
 # SGLang's sampling params that lockstep does not serve are checked and dropped first.
 _Sampling = Annotated[SamplingParams, BeforeValidator(partial(drop_off_fields, SAMPLING_PARAMS))]
-SamplingParamsInput = shaped(
-    {"dict": _Sampling, "list": list[_Sampling]}, "an object or a list of objects"
-)
+SamplingParamsInput = shaped({"dict": _Sampling, "list": list[_Sampling]},
+                             "an object or a list of objects")
 
 
 class GenerateReqInput(StrictModel):
@@ -117,8 +111,7 @@ class GenerateReqInput(StrictModel):
 
     # What `_check_consistency` enforces first, stated for schema-driven clients.
     model_config = ConfigDict(
-        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
-    )
+        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
 
     text: TextInput | None = None
     input_ids: IdsInput | None = None
@@ -132,9 +125,8 @@ class GenerateReqInput(StrictModel):
 
     @property
     def is_batch(self) -> bool:
-        return isinstance(self.text, list) or (
-            self.input_ids is not None and isinstance(self.input_ids[0], list)
-        )
+        return isinstance(self.text, list) or (self.input_ids is not None
+                                               and isinstance(self.input_ids[0], list))
 
     @property
     def batch_size(self) -> int:
@@ -150,9 +142,8 @@ class GenerateReqInput(StrictModel):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.is_batch or len(value) != size):
                 prompts = f"{size} prompts" if self.is_batch else "a single prompt"
-                raise ValueError(
-                    f"{name}: a list must have one entry per prompt; got {len(value)} for {prompts}"
-                )
+                raise ValueError(f"{name}: a list must have one entry per prompt; got {len(value)} "
+                                 f"for {prompts}")
         if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
             raise ValueError("rid: the rids of a batch must be distinct")
         if self.top_logprobs_num and not any(_per_prompt(self.return_logprob, 1)):

@@ -25,11 +25,7 @@ from lockstep.entrypoints.engine import (
     launch_subprocesses,
 )
 from lockstep.entrypoints.http_server import create_app
-from lockstep.entrypoints.middleware import (
-    BoundedH11Protocol,
-    ServerStatus,
-    unavailable_response,
-)
+from lockstep.entrypoints.middleware import BoundedH11Protocol, ServerStatus, unavailable_response
 from lockstep.entrypoints.openai.chat_templates import resolve_chat_template
 from lockstep.entrypoints.openai.reasoning_parser import reasoning_format
 from lockstep.server_args import ServerArgs

@@ -20,12 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from lockstep.core import (
-    FINISH_ABORT,
-    BaseFinishReason,
-    SamplingParams,
-    TokenLogprob,
-)
+from lockstep.core import FINISH_ABORT, BaseFinishReason, SamplingParams, TokenLogprob
 from lockstep.messages import (
     AbortReq,
     BatchStrOut,

@@ -13,14 +13,7 @@ from torch import nn
 
 from lockstep import kernels
 from lockstep.distributed.parallel_state import ParallelGroup
-from lockstep.layers.block_weight import (
-    BlockWeight,
-    Part,
-    matmul_parts,
-    pack,
-    settle,
-    uses_kernel,
-)
+from lockstep.layers.block_weight import BlockWeight, Part, matmul_parts, pack, settle, uses_kernel
 from lockstep.layers.linear import _copy, _param
 
 

@@ -32,13 +32,7 @@ from lockstep.core import (
     TopK,
     TopP,
 )
-from lockstep.entrypoints.generate_request import (
-    IdLists,
-    Ids,
-    StrictModel,
-    Texts,
-    shaped,
-)
+from lockstep.entrypoints.generate_request import IdLists, Ids, StrictModel, Texts, shaped
 from lockstep.entrypoints.sglang_fields import CHAT, COMPLETIONS
 from lockstep.entrypoints.tokenizer_manager import RequestError
 
@@ -192,9 +186,8 @@ class CompletionRequest(_OpenAIRequest):
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(
-                f"best_of ({self.best_of}): only best_of equal to n ({self.n}) is supported"
-            )
+            raise ValueError(f"best_of ({self.best_of}): only best_of equal to n ({self.n}) "
+                             "is supported")
         return self
 
     def _max_new_tokens(self) -> int | None:
@@ -218,9 +211,8 @@ class TextPart(StrictModel):
 
 # Parts are told apart by their "type"; text is the only kind this server reads.
 ContentPart = Annotated[Union[TextPart], Field(discriminator="type")]  # noqa: UP007
-ContentInput = shaped(
-    {"str": str, "list": list[ContentPart]}, "a string or a list of content parts"
-)
+ContentInput = shaped({"str": str, "list": list[ContentPart]},
+                      "a string or a list of content parts")
 
 
 class FunctionDefinition(StrictModel):
@@ -315,11 +307,8 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     def _max_new_tokens(self) -> int | None:
         # None: generate until a stop condition or the context length.
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-        )
+        limit = self.max_completion_tokens
+        return limit if limit is not None else self.max_tokens
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         """Messages for a chat template: content flattened to text, the other fields kept when
