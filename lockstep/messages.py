@@ -108,6 +108,13 @@ def decode(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+def zmq_socket(ctx: zmq.Context, kind: int, addr: str) -> zmq.Socket:
+    """A PULL socket bound at `addr` (the one reader there), or a PUSH socket connected to it."""
+    sock = ctx.socket(kind)
+    (sock.bind if kind == zmq.PULL else sock.connect)(addr)
+    return sock
+
+
 def recv_all(sock: zmq.Socket) -> list[Any]:
     """Every message already queued on `sock`, decoded, without waiting for more."""
     msgs: list[Any] = []

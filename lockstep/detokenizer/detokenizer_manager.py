@@ -9,7 +9,7 @@ from typing import Any
 import zmq
 
 from lockstep.detokenizer.incremental_detokenizer import IncrementalDetokenizer, load_tokenizer
-from lockstep.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, decode, encode
+from lockstep.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, decode, encode, zmq_socket
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import exit_on_error, start_child
 from lockstep.utils.watchdog import ForwardProgressWatchdog
@@ -44,10 +44,8 @@ def run_detokenizer_process(args: ServerArgs, ports: PortArgs, pipe: Connection)
     with exit_on_error("detokenizer", pipe):
         manager = DetokenizerManager(load_tokenizer(args))
         ctx = zmq.Context()
-        recv = ctx.socket(zmq.PULL)
-        recv.bind(ports.detokenizer_ipc)
-        send = ctx.socket(zmq.PUSH)
-        send.connect(ports.tokenizer_ipc)
+        recv = zmq_socket(ctx, zmq.PULL, ports.detokenizer_ipc)
+        send = zmq_socket(ctx, zmq.PUSH, ports.tokenizer_ipc)
     pipe.send({"status": "ready"})
     # Stuck in one message for --watchdog-timeout s: the stacks go to the log, the server down.
     watchdog = ForwardProgressWatchdog(args.watchdog_timeout, "detokenizer").start()

@@ -30,6 +30,7 @@ from lockstep.messages import (
     TokenizedGenerateReq,
     decode,
     encode,
+    zmq_socket,
 )
 from lockstep.server_args import PortArgs, ServerArgs
 
@@ -129,10 +130,8 @@ class TokenizerManager:
         self.ctx = zmq.asyncio.Context()
         # LINGER 0: a message for a scheduler that is gone must never block this process's exit.
         self.ctx.setsockopt(zmq.LINGER, 0)
-        self.to_scheduler = self.ctx.socket(zmq.PUSH)
-        self.to_scheduler.connect(ports.scheduler_input_ipc)
-        self.from_detokenizer = self.ctx.socket(zmq.PULL)
-        self.from_detokenizer.bind(ports.tokenizer_ipc)
+        self.to_scheduler = zmq_socket(self.ctx, zmq.PUSH, ports.scheduler_input_ipc)
+        self.from_detokenizer = zmq_socket(self.ctx, zmq.PULL, ports.tokenizer_ipc)
         self.states: dict[str, ReqState] = {}
         self.control_waiters: list[asyncio.Future] = []
         # Called with (state, output, now) on every output, before the state takes it in.

@@ -21,6 +21,7 @@ from lockstep.messages import (
     decode,
     encode,
     recv_all,
+    zmq_socket,
 )
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.cache_aware import CacheAwareRule
@@ -103,15 +104,9 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
     start_child("data_parallel_controller", args.log_level, "DP")
     with exit_on_error("data-parallel controller", pipe):
         ctx = zmq.Context()
-        inputs = ctx.socket(zmq.PULL)
-        inputs.bind(ports.scheduler_input_ipc)
-        loads = ctx.socket(zmq.PULL)
-        loads.bind(ports.dp_load_ipc)
-        outs = []
-        for addr in replica_inputs:
-            s = ctx.socket(zmq.PUSH)
-            s.connect(addr)
-            outs.append(s)
+        inputs = zmq_socket(ctx, zmq.PULL, ports.scheduler_input_ipc)
+        loads = zmq_socket(ctx, zmq.PULL, ports.dp_load_ipc)
+        outs = [zmq_socket(ctx, zmq.PUSH, addr) for addr in replica_inputs]
         dispatcher = Dispatcher(args.load_balance_method, args.dp_size, args.dp_cache_threshold,
                                 args.dp_balance_abs_threshold, args.dp_balance_rel_threshold)
     pipe.send({"status": "ready"})

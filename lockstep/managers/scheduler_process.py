@@ -22,7 +22,7 @@ from lockstep.distributed.communication import (
 )
 from lockstep.distributed.parallel_state import ParallelGroup
 from lockstep.managers.scheduler import Scheduler, create_scheduler
-from lockstep.messages import BatchTokenIDOut, LoadReport, encode, recv_all
+from lockstep.messages import BatchTokenIDOut, LoadReport, encode, recv_all, zmq_socket
 from lockstep.model_executor.weight_setup import weight_bytes
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import exit_on_error, start_child
@@ -55,13 +55,10 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
         ctx = zmq.Context()
         recv = send = load = None
         if global_rank == 0:  # the one rank that reads inputs and sends outputs
-            recv = ctx.socket(zmq.PULL)
-            recv.bind(ports.scheduler_input_ipc)
-            send = ctx.socket(zmq.PUSH)
-            send.connect(ports.detokenizer_ipc)
+            recv = zmq_socket(ctx, zmq.PULL, ports.scheduler_input_ipc)
+            send = zmq_socket(ctx, zmq.PUSH, ports.detokenizer_ipc)
             if args.dp_size > 1:
-                load = ctx.socket(zmq.PUSH)
-                load.connect(ports.dp_load_ipc)
+                load = zmq_socket(ctx, zmq.PUSH, ports.dp_load_ipc)
     pipe.send({"status": "ready", "max_total_num_tokens": sched.max_total_tokens,
                "context_len": sched.context_len, "tp_rank": tp_rank, "pp_rank": pp_rank,
                "param_bytes": weight_bytes(sched.worker.runner.model)})

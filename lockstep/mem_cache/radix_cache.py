@@ -44,10 +44,8 @@ class TreeNode:
     children: dict[int, TreeNode] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.node_id}, key={list(self.key)}, lock_ref={self.lock_ref}, "
-            f"last_access={self.last_access})"
-        )
+        return (f"TreeNode(id={self.node_id}, key={list(self.key)}, lock_ref={self.lock_ref}, "
+                f"last_access={self.last_access})")
 
 
 def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
@@ -145,14 +143,8 @@ class RadixCache:
         assert 0 < at < len(child.key)
         parent = child.parent
         assert parent is not None
-        head = TreeNode(
-            node_id=next(self._node_ids),
-            key=child.key[:at],
-            value=child.value[:at].clone(),
-            parent=parent,
-            lock_ref=child.lock_ref,
-            last_access=child.last_access,
-        )
+        head = TreeNode(next(self._node_ids), child.key[:at], child.value[:at].clone(), parent,
+                        lock_ref=child.lock_ref, last_access=child.last_access)
         parent.children[head.key[0]] = head
         child.key = child.key[at:]
         child.value = child.value[at:].clone()
@@ -242,17 +234,13 @@ class RadixCache:
         self._reset_state()
 
     def pretty_print(self) -> str:
-        lines = [
-            f"{type(self).__name__}(total={self.total_size()}, evictable={self.evictable_size()}, "
-            f"protected={self.protected_size()}, clock={self._clock})"
-        ]
+        lines = [f"{type(self).__name__}(total={self.total_size()}, evictable="
+                 f"{self.evictable_size()}, protected={self.protected_size()}, clock={self._clock})"]
 
         def walk(node: TreeNode, depth: int) -> None:
             for child in node.children.values():
-                lines.append(
-                    f"{'  ' * depth}{list(child.key)} -> {child.value.tolist()} "
-                    f"lock={child.lock_ref} t={child.last_access} id={child.node_id}"
-                )
+                lines.append(f"{'  ' * depth}{list(child.key)} -> {child.value.tolist()} "
+                             f"lock={child.lock_ref} t={child.last_access} id={child.node_id}")
                 walk(child, depth + 1)
 
         walk(self.root, 1)
