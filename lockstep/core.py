@@ -131,8 +131,7 @@ SampleCount = Annotated[StrictInt, Field(ge=1, le=MAX_N)]
 # One string or a list: what _stop_to_list accepts, published as such.
 _STOP_ITEM = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 _STOP_SCHEMA = WithJsonSchema({"anyOf": [
-    _STOP_ITEM, {"type": "array", "items": _STOP_ITEM, "maxItems": MAX_STOP_STRINGS},
-]})
+    _STOP_ITEM, {"type": "array", "items": _STOP_ITEM, "maxItems": MAX_STOP_STRINGS}]})
 StopStr = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS),
                      BeforeValidator(_stop_to_list), _STOP_SCHEMA]
@@ -355,11 +354,8 @@ def split_forward_batch(fb: ForwardBatch, n: int) -> list[ForwardBatch]:
     for start, end in ranges:
         t0, t1 = sum(ext[:start]), sum(ext[:end])
         parts.append(ForwardBatch(
-            mode=fb.mode,
-            input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
-            out_cache_loc=fb.out_cache_loc[t0:t1],
-            req_pool_indices=fb.req_pool_indices[start:end],
+            mode=fb.mode, input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
+            out_cache_loc=fb.out_cache_loc[t0:t1], req_pool_indices=fb.req_pool_indices[start:end],
             prefix_lens=fb.prefix_lens[start:end], extend_lens=fb.extend_lens[start:end],
-            logits_indices=li[(li >= t0) & (li < t1)] - t0,
-        ))
+            logits_indices=li[(li >= t0) & (li < t1)] - t0))
     return parts

@@ -21,12 +21,12 @@ from lockstep.messages import TokenizedGenerateReq
 from lockstep.utils.asgi import unless_disconnected
 
 
-def abort_error(item: GenerateOutput) -> RequestError | None:
-    """The scheduler refuses a request it can never serve with an abort carrying a status code."""
+def raise_if_refused(item: GenerateOutput) -> None:
+    """The scheduler refuses a request it can never serve with an abort carrying a status code:
+    a RequestError with that status."""
     reason = item.finish_reason
     if isinstance(reason, FINISH_ABORT) and reason.status_code:
-        return RequestError(reason.message, reason.status_code)
-    return None
+        raise RequestError(reason.message, reason.status_code)
 
 
 class Fanout:
@@ -73,9 +73,7 @@ class Fanout:
                 waiting.discard(index)
                 if item is None:  # ended without output: cannot happen, but never hang on it
                     continue
-                refused = abort_error(item)
-                if refused is not None:
-                    raise refused
+                raise_if_refused(item)
                 self.buffer.append((index, item))
         except BaseException:
             self.close()
@@ -121,9 +119,7 @@ async def run_to_completion(tm: TokenizerManager, singles: list[TokenizedGenerat
     finally:
         fan.close()
     for item in finals:
-        refused = abort_error(item)
-        if refused is not None:
-            raise refused
+        raise_if_refused(item)
     return finals
 
 

@@ -60,10 +60,8 @@ def check_blocks(qtype: str, blocks: torch.Tensor, n_cols: int) -> None:
     """ValueError unless `blocks` is uint8 [N, row_bytes(qtype, n_cols)]."""
     expect = row_bytes(qtype, n_cols)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != expect:
-        raise ValueError(
-            f"{qtype} blocks for {n_cols} columns must be uint8 [N, {expect}], "
-            f"got {blocks.dtype} {list(blocks.shape)}"
-        )
+        raise ValueError(f"{qtype} blocks for {n_cols} columns must be uint8 [N, {expect}], "
+                         f"got {blocks.dtype} {list(blocks.shape)}")
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -137,13 +137,9 @@ def _compile(variant: str, name: str, build_dir: Path) -> ModuleType:
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name=name,
-            sources=[str(f) for f in sorted(CSRC.glob("*.cpp"))],
-            extra_cflags=_COMMON_FLAGS + _FLAGS[variant],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+            name=name, sources=[str(f) for f in sorted(CSRC.glob("*.cpp"))],
+            extra_cflags=_COMMON_FLAGS + _FLAGS[variant], extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir), verbose=False)
     except Exception as e:  # a compiler error, no compiler, no ninja: all mean "serve on torch"
         tail = " | ".join(str(e).strip().splitlines()[-3:])  # the compiler's last words, not the command
         raise KernelBuildError(f"building the {variant} kernels failed: {tail}") from e

@@ -57,10 +57,8 @@ class PagedAttention(nn.Module):
         qp = qp.transpose(1, 2)  # [B, H, Q, D]
         mask = meta.masks[self.window]
         if self.softcap is None and qn > 1:
-            out = F.scaled_dot_product_attention(
-                qp, keys, vals, attn_mask=mask, scale=self.scaling,
-                enable_gqa=self.n_heads != self.n_kv_heads,
-            )
+            out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, scale=self.scaling,
+                                                 enable_gqa=self.n_heads != self.n_kv_heads)
         else:
             # Decode (one query per request): two batched matmuls are ~1.5x faster than CPU SDPA.
             out = self._matmul_attention(qp, keys, vals, mask)

@@ -184,9 +184,7 @@ class RowParallelLinear(_BlockParts):
         self.out_features = out_features
         self.in_local = in_features // tp.size
         self.weight = _param((out_features, self.in_local), dtype, self.weight_loader)
-        self.bias: nn.Parameter | None = (
-            _param((out_features,), dtype, self.bias_loader) if bias else None
-        )
+        self.bias = _param((out_features,), dtype, self.bias_loader) if bias else None
         self._init_parts()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockWeight) -> None:

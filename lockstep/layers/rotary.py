@@ -20,9 +20,8 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         high_wavelen = old_len / rope.high_freq_factor
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
+        smooth = ((old_len / wavelen - rope.low_freq_factor)
+                  / (rope.high_freq_factor - rope.low_freq_factor))
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)

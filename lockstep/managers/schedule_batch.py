@@ -189,17 +189,14 @@ class ScheduleBatch:
             out_cache_loc=self.out_cache_loc,
             req_pool_indices=t([r.req_pool_idx for r in self.reqs]),
             prefix_lens=t([r.cached_len for r in self.reqs]),
-            extend_lens=t([r.extend_len for r in self.reqs]),
-            logits_indices=t(logits_idx),
-        )
+            extend_lens=t([r.extend_len for r in self.reqs]), logits_indices=t(logits_idx))
         rows = [(r, i) for r, s in zip(self.reqs, self.samples) for i in range(s)]
         sampling = build_sampling_info([r for r, _ in rows], vocab_size, base_seed, device,
                                        fill_masks, [i for _, i in rows])
         return ModelWorkerBatch(
             fb, sampling, t(sample_rows), prompt_rows, t(prompt_targets),
             max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
-            any(r.return_logprob for r in self.reqs),
-        )
+            any(r.return_logprob for r in self.reqs))
 
 
 def request_seed(req: Req, base_seed: int) -> int:
@@ -233,8 +230,7 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
         seeds=i([request_seed(r, base_seed) for r in reqs]),
         steps=i([r.sampled_len + o for r, o in zip(reqs, offsets or [0] * len(reqs))]),
         all_greedy=all(p.is_greedy for p in ps),
-        need_filter=any(p.top_p < 1 or k < vocab or p.min_p > 0 for p, k in zip(ps, top_ks)),
-    )
+        need_filter=any(p.top_p < 1 or k < vocab or p.min_p > 0 for p, k in zip(ps, top_ks)))
     if any(p.frequency_penalty or p.presence_penalty for p in ps):
         info.frequency_penalties = f([p.frequency_penalty for p in ps])
         info.presence_penalties = f([p.presence_penalty for p in ps])

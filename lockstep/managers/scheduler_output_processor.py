@@ -93,8 +93,7 @@ class SchedulerOutputProcessorMixin:
         self._free_uncached(req)
         return reason
 
-    def _add_prompt_logprobs(self, req: Req, res: GenerationBatchResult, i: int
-                             ) -> None:
+    def _add_prompt_logprobs(self, req: Req, res: GenerationBatchResult, i: int) -> None:
         if not req.in_logprobs and req.prompt_logprob_start is not None:
             start = req.prompt_logprob_start
             req.in_logprobs.append(TokenLogprob(None, req.origin_input_ids[start]))
@@ -148,8 +147,7 @@ class SchedulerOutputProcessorMixin:
             input_token_logprobs=req.in_logprobs, input_top_logprobs=req.in_top_logprobs,
             dp_rank=self.dp_rank, text_limit=req.stops.text_limit(req.finished) if req.stops else None,
             decode_options=(p.skip_special_tokens, p.spaces_between_special_tokens),
-            spec=req.spec and (req.spec.verify_ct, req.spec.drafted, req.spec.accepted),
-        ))
+            spec=req.spec and (req.spec.verify_ct, req.spec.drafted, req.spec.accepted)))
         req.out_logprobs, req.out_top_logprobs, req.in_logprobs, req.in_top_logprobs = [], [], [], []
 
 

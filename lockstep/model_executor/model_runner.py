@@ -81,9 +81,8 @@ class ModelRunner:
         attn = self.model.layers[self.model.start_layer].self_attn
         self.n_kv_local = attn.n_kv
         self.max_total_tokens = self._kv_budget()
-        self.req_to_token_pool = ReqToTokenPool(
-            cfg.max_running_requests + 1, min(self.context_len, self.max_total_tokens) + 1, cfg.device
-        )
+        row_len = min(self.context_len, self.max_total_tokens) + 1
+        self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, row_len, cfg.device)
         layer_ids = range(self.model.start_layer, self.model.end_layer)
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, layer_ids,
                                               self.n_kv_local, model_cfg.head_dim, cfg.dtype, cfg.device)

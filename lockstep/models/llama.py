@@ -141,10 +141,8 @@ class LlamaForCausalLM(nn.Module):
                 serves_logits=pp.is_last and cfg.tie_word_embeddings)
         if pp.is_last:
             self.norm = self.layer_cls.norm(cfg, dtype)
-            self.lm_head = (
-                self.embed_tokens if cfg.tie_word_embeddings
-                else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-            )
+            self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
+                            else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
