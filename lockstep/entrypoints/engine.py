@@ -125,11 +125,6 @@ class Launched:
         threading.Thread(target=loop, name="lockstep-child-watchdog", daemon=True).start()
 
 
-def _threads_per_rank(args: ServerArgs) -> int:
-    local = args.tp_size * args.pp_size * args.dp_size // args.nnodes
-    return max(1, (os.cpu_count() or 1) // local)
-
-
 def launch_subprocesses(args: ServerArgs) -> Launched:
     # Resolve (and on first use convert) the model once, here: a bad path fails the launch with
     # one clear message before any child starts, and the children then find the cache ready.
@@ -150,7 +145,7 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
 
     per_node = args.tp_size * args.pp_size // args.nnodes
     first = args.node_rank * per_node
-    threads = _threads_per_rank(args)
+    threads = max(1, (os.cpu_count() or 1) // (per_node * args.dp_size))  # the node's cores, shared
     replica_ports = [ports.for_replica(i) for i in range(args.dp_size)] if args.dp_size > 1 else [ports]
     for dp_rank, rports in enumerate(replica_ports):
         for global_rank in range(first, first + per_node):
