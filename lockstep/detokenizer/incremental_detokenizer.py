@@ -38,10 +38,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
-        self._decode_kwargs = {
-            "skip_special_tokens": skip_special_tokens,
-            "spaces_between_special_tokens": spaces_between_special_tokens,
-        }
+        self._decode_kwargs = {"skip_special_tokens": skip_special_tokens,
+                               "spaces_between_special_tokens": spaces_between_special_tokens}
         self._ids: list[int] = []
         # ids[surr:read] is already-decoded context for the window; ids[read:] is not yet stable.
         self._surr = 0

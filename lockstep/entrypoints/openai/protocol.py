@@ -429,10 +429,8 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(ChatResponseMessage):  # a stream's piece of the message: the fields it sets
     role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
