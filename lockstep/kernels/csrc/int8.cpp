@@ -192,7 +192,13 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
 // sums as any order), which leaves lane j = W row j's block sum, so the float steps run with W rows in
 // the lanes of V/IV, 16 rows at a time: the same integers and float steps per output element as the
 // other paths, so the same bits.
-constexpr int64_t kRowLanesMaxM = 4;  // measured: x rows in lanes is as fast from about 4 rows on
+// Up to kRowLanesMaxM rows (a speculative verify's 1 + k rows, small decode batches) x goes over each
+// 16-row W tile in chunks of kRowChunk rows: the tile's blocks come from memory once and stay in L1/L2
+// for the later chunks (a tile of the default GGUF's widest rows, 16 x 2048 Q6_K, is 27 KiB), where a
+// chunk re-decodes them in registers. Measured (docs/benchmarks.md): faster than the x-in-lanes panels
+// below this bound.
+constexpr int64_t kRowChunk = 4;
+constexpr int64_t kRowLanesMaxM = 16;
 
 // the 8 lanes of w . x over one block of 32 (w decoded quants, x int8)
 template <bool kSignedW>
@@ -287,16 +293,23 @@ template <class T>
 I8_TARGET void int8_rows(const uint8_t* w, int64_t rb, const int8_t* xq, const float* dx, const int32_t* bs,
                          float* y, int64_t m, int64_t n, int64_t k, int64_t t0, int64_t t1) {
   alignas(64) float t[kXLanes];
-  V out[kRowLanesMaxM];
+  V out[kRowChunk];
+  const int64_t nb = k / 32;
   for (int64_t tt = t0; tt < t1; ++tt) {
     const int64_t r0 = tt * 16, rows = std::min<int64_t>(16, n - r0);
-    if (m == 1) rows_tile<T, 1>(w, rb, r0, n, xq, dx, bs, k, out);
-    else if (m == 2) rows_tile<T, 2>(w, rb, r0, n, xq, dx, bs, k, out);
-    else if (m == 3) rows_tile<T, 3>(w, rb, r0, n, xq, dx, bs, k, out);
-    else rows_tile<T, 4>(w, rb, r0, n, xq, dx, bs, k, out);
-    for (int64_t i = 0; i < m; ++i) {
-      vstore(t, out[i]);
-      std::memcpy(y + i * n + r0, t, static_cast<size_t>(rows) * sizeof(float));
+    for (int64_t i0 = 0; i0 < m; i0 += kRowChunk) {
+      const int64_t c = std::min(kRowChunk, m - i0);
+      const int8_t* xc = xq + i0 * k;
+      const float* dc = dx + i0 * nb;
+      const int32_t* bc = bs + i0 * nb * 2;
+      if (c == 1) rows_tile<T, 1>(w, rb, r0, n, xc, dc, bc, k, out);
+      else if (c == 2) rows_tile<T, 2>(w, rb, r0, n, xc, dc, bc, k, out);
+      else if (c == 3) rows_tile<T, 3>(w, rb, r0, n, xc, dc, bc, k, out);
+      else rows_tile<T, 4>(w, rb, r0, n, xc, dc, bc, k, out);
+      for (int64_t i = 0; i < c; ++i) {
+        vstore(t, out[i]);
+        std::memcpy(y + (i0 + i) * n + r0, t, static_cast<size_t>(rows) * sizeof(float));
+      }
     }
   }
 }
