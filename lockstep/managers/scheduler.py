@@ -87,8 +87,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.step_count = 0
-        self.init_ratio = args.new_token_ratio
-        self.new_token_ratio = args.new_token_ratio
+        self.init_ratio = self.new_token_ratio = args.new_token_ratio
         self.rng = random.Random(args.random_seed)
         self.fingerprints: list[str] = []
         self.stats = SchedulerStats()
@@ -210,11 +209,10 @@ class Scheduler(SchedulerOutputProcessorMixin):
         assert self.worker_client is not None
         res = self.worker_client.result()
         self._completed = done.seq
-        still = [(seq, row) for seq, row in self._parked_rows if seq > done.seq]
         for seq, row in self._parked_rows:
             if seq <= done.seq:
                 self.req_to_token_pool.free(row)
-        self._parked_rows = still
+        self._parked_rows = [(seq, row) for seq, row in self._parked_rows if seq > done.seq]
         self.process_batch_result(done.batch, res, done.futures)
 
     def _sync(self) -> None:
@@ -298,9 +296,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         reserved = sum(map(self._future_tokens, self.running))
         reserved += sum(r.seq_len - r.cached_len for r in admitted)
         for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.rng):
-            if budget <= 0 or len(self.running) + len(admitted) >= self.args.max_running_requests:
-                break
-            if self.req_to_token_pool.available_size() == 0:
+            if (budget <= 0 or len(self.running) + len(admitted) >= self.args.max_running_requests
+                    or self.req_to_token_pool.available_size() == 0):
                 break
             fill = req.fill_ids
             indices, node = self.tree.match_prefix(fill)
@@ -340,15 +337,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def _shares_new_prefix(self, fill: list[int], prefix: int, admitted: list[Req]) -> bool:
         if isinstance(self.tree, ChunkCache) or len(fill) - prefix <= IN_BATCH_PREFIX_THRESHOLD:
             return False
-        for other in admitted:
-            ofill = other.fill_ids
-            n = prefix
-            end = min(len(fill), len(ofill))
-            while n < end and fill[n] == ofill[n]:
-                n += 1
-            if n - prefix >= IN_BATCH_PREFIX_THRESHOLD:
-                return True
-        return False
+        new = fill[prefix:prefix + IN_BATCH_PREFIX_THRESHOLD]  # shared whole by another: wait
+        return any(other.fill_ids[prefix:prefix + IN_BATCH_PREFIX_THRESHOLD] == new
+                   for other in admitted)
 
     # ---- decode and retraction ----------------------------------------------------------
     def _decode_batch(self) -> ScheduleBatch | None:
@@ -447,15 +438,13 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.req_to_token_pool.free(row)
 
     def check_integrity(self) -> None:
-        free = self.allocator.available_size()
-        held = self.tree.total_size()
-        ok = free + held == self.max_total_tokens and self.tree.protected_size() == 0
-        ok = ok and self.req_to_token_pool.available_size() == self.req_to_token_pool.size
-        if ok:
+        free, held, rows = self.allocator.available_size(), self.tree.total_size(), self.req_to_token_pool
+        if (free + held == self.max_total_tokens and self.tree.protected_size() == 0
+                and rows.available_size() == rows.size):
             return
         msg = (f"KV leak at idle: free {free} + tree {held} != total {self.max_total_tokens}, "
                f"protected {self.tree.protected_size()}, "
-               f"req slots free {self.req_to_token_pool.available_size()}/{self.req_to_token_pool.size}")
+               f"req slots free {rows.available_size()}/{rows.size}")
         if self.strict_integrity:
             raise KVLeakError(msg)
         logger.error(msg)
