@@ -64,11 +64,10 @@ class _Node:
 class RadixTree:
     """A character radix tree with LRU eviction by leaves; `size` counts the characters held."""
 
-    def __init__(self, max_size: int | None = None, evict_to: float = 0.9) -> None:
+    def __init__(self, max_size: int | None = None) -> None:
         self.root = _Node("", None, 0)
         self.size = 0
         self.max_size = max_size
-        self.evict_to = evict_to
         self._tick = 0
 
     def match(self, text: str) -> int:
@@ -109,7 +108,7 @@ class RadixTree:
             node = child
             i += common
         if self.max_size is not None and self.size > self.max_size:
-            self.evict(int(self.max_size * self.evict_to))
+            self.evict(int(self.max_size * 0.9))  # room for more before the next eviction
 
     def evict(self, target: int) -> int:
         """Drop least recently used leaves until at most `target` characters remain."""
@@ -233,15 +232,11 @@ class CacheAware(Policy):
 
 def make_policy(name: str, seed: int | None = 0, **cache_aware: Any) -> Policy:
     """The policy `name`; `cache_aware` are CacheAware's parameters, `seed` the random ones'."""
-    if name == "cache_aware":
-        return CacheAware(**cache_aware)
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "random":
-        return RandomPolicy(seed)
-    if name == "power_of_two":
-        return PowerOfTwo(seed)
-    raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+    make = {"cache_aware": lambda: CacheAware(**cache_aware), "round_robin": RoundRobin,
+            "random": lambda: RandomPolicy(seed), "power_of_two": lambda: PowerOfTwo(seed)}
+    return make[name]()
 
 
 # ---------------------------------------------------------------------------------------------
