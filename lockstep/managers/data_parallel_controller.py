@@ -30,6 +30,7 @@ from lockstep.utils.watchdog import ForwardProgressWatchdog
 
 logger = logging.getLogger(__name__)
 BLOCK = 16  # tokens per node of the approximate prefix index
+MAX_BLOCKS = 1 << 16  # blocks that index keeps per replica
 MAX_TRACKED_RIDS = 100_000
 
 
@@ -51,12 +52,10 @@ class Dispatcher:
     """Chooses a replica for each request. Pure given its inputs (reports and requests)."""
 
     def __init__(self, method: str, dp_size: int, cache_threshold: float = 0.5,
-                 balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.0001,
-                 max_blocks: int = 1 << 16) -> None:
+                 balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.0001) -> None:
         self.method = method
         self.replicas = [ReplicaState() for _ in range(dp_size)]
         self.rule = CacheAwareRule(cache_threshold, balance_abs_threshold, balance_rel_threshold)
-        self.max_blocks = max_blocks
         self.next_rr = 0
 
     def report(self, r: LoadReport) -> None:
@@ -94,7 +93,7 @@ class Dispatcher:
         for h in chain:
             blocks[h] = None
             blocks.move_to_end(h)
-        while len(blocks) > self.max_blocks:
+        while len(blocks) > MAX_BLOCKS:
             blocks.popitem(last=False)
         return target
 

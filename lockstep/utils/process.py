@@ -34,15 +34,14 @@ def die_with_parent() -> None:
         logger.warning("PR_SET_PDEATHSIG unavailable; children may outlive a killed parent")
 
 
-def kill_tree(pid: int, include_self: bool = True, sig: int = signal.SIGKILL) -> None:
+def kill_tree(pid: int) -> None:
     try:
         proc = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
-    procs = proc.children(recursive=True) + ([proc] if include_self else [])
-    for p in procs:
+    for p in [*proc.children(recursive=True), proc]:
         with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(sig)
+            p.kill()
 
 
 def configure_logging(level: str, prefix: str) -> None:
