@@ -97,11 +97,9 @@ class GenerateOutput:
             meta.update(spec_verify_ct=passes, spec_draft_token_num=drafted,
                         spec_accept_token_num=accepted, spec_accept_rate=rate,
                         spec_accept_length=length)
-        for name in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs",
-                     "input_top_logprobs"):
-            if getattr(self, name) is not None:
-                meta[name] = getattr(self, name)
-        return meta
+        return meta | {name: value for name in ("output_token_logprobs", "input_token_logprobs",
+                                                "output_top_logprobs", "input_top_logprobs")
+                       if (value := getattr(self, name)) is not None}
 
 
 @dataclass
@@ -143,8 +141,7 @@ class TokenizerManager:
         self.ctx.destroy(linger=0)
 
     def start(self) -> None:
-        """The output loop, on the running event loop (the first request's, which serves them
-        all)."""
+        """The output loop, on the running event loop (the first request's: it serves them all)."""
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
 
@@ -172,10 +169,9 @@ class TokenizerManager:
                 f"the prompt has {len(text)} characters, more than a prompt of at most "
                 f"{self.max_prompt_tokens} tokens can have")
         if len(text) > TOKENIZE_OFF_LOOP_CHARS:
-            enc = await asyncio.to_thread(self.tokenizer, text, add_special_tokens=add_special_tokens)
-        else:
-            enc = self.tokenizer(text, add_special_tokens=add_special_tokens)
-        return enc.input_ids
+            return (await asyncio.to_thread(self.tokenizer, text,
+                                            add_special_tokens=add_special_tokens)).input_ids
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def check_ids(self, ids: list[int], where: str) -> list[int]:
         """`ids`, or a 400 naming `where` when one is outside the vocabulary."""
@@ -203,10 +199,9 @@ class TokenizerManager:
     async def generate(self, req: TokenizedGenerateReq) -> AsyncIterator[GenerateOutput]:
         """Yields one output per message; the last has its finish_reason set. If the consumer
         stops early (client gone), the request is aborted and its KV freed."""
-        if req.input_ids is not None:  # the scheduler checks them against its vocabulary
-            ids = list(req.input_ids)
-        else:
-            ids = await self.tokenize_text(req.input_text or "")
+        # Given ids are the scheduler's to check against its vocabulary.
+        ids = (list(req.input_ids) if req.input_ids is not None
+               else await self.tokenize_text(req.input_text or ""))
         params = self.resolve_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests
         running = self.args.max_running_requests * self.args.dp_size
@@ -280,8 +275,7 @@ class TokenizerManager:
         self.control_waiters.extend(futs)
         await self.to_scheduler.send(encode(FlushCacheReq()))
         replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=60)
-        failed = [r for r in replies if not r.success]
-        return failed[0] if failed else replies[0]
+        return next((r for r in replies if not r.success), replies[0])
 
     # ---- outputs ------------------------------------------------------------------------
     async def _handle_loop(self) -> None:

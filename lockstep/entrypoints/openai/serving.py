@@ -4,7 +4,6 @@ stream-chunk shapes."""
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -62,7 +61,6 @@ from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, json_response, sse
 
-logger = logging.getLogger(__name__)
 
 def finish_of(item: GenerateOutput) -> tuple[str | None, int | str | None]:
     """OpenAI's finish_reason and SGLang's matched_stop."""
@@ -134,13 +132,11 @@ class OpenAIServing:
         self.info = info
         self.model_name: str = info["served_model_name"]
         # "default" as SGLang's docs and this README write it: SGLang checks no model name.
-        names = {self.model_name, "default"}
-        if args.model_path:
-            names |= {args.model_path, Path(args.model_path).name}
-        self.accepted_names = names
+        paths = (args.model_path, Path(args.model_path).name) if args.model_path else ()
+        self.accepted_names = {self.model_name, "default", *paths}
         model_type = str(info.get("model_type") or "")
         architectures = list(info.get("architectures") or [])
-        own = self.info.get("chat_template") or getattr(self.tm.tokenizer, "chat_template", None)
+        own = info.get("chat_template") or getattr(tm.tokenizer, "chat_template", None)
         self.chat_template = resolve_chat_template(
             args.chat_template, own if isinstance(own, str) else None, model_type, architectures)
         self.tool_call_parser = (args.tool_call_parser
@@ -363,11 +359,9 @@ def _without_null_usage(chunk: Any) -> dict[str, Any]:
         if delta is not None:
             choice["delta"] = {k: v for k, v in delta.items() if v is not None}
             for call in choice["delta"].get("tool_calls") or []:  # later deltas: no id or name
-                for key in ("id", "type"):
-                    if call[key] is None:
-                        del call[key]
-                if call["function"]["name"] is None:
-                    del call["function"]["name"]
+                for part, key in ((call, "id"), (call, "type"), (call["function"], "name")):
+                    if part[key] is None:
+                        del part[key]
     return data
 
 
