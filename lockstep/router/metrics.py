@@ -20,22 +20,20 @@ _PER_WORKER: list[tuple[str, Any, str, Callable[[Any], float]]] = [
 
 
 class RouterCollector:
-    def __init__(self, workers: Callable[[], Iterable[Any]], retries: Callable[[], int]) -> None:
-        self.workers = workers
-        self.retries = retries
+    def __init__(self, workers: Iterable[Any], retries: int) -> None:
+        self.workers, self.retries = list(workers), retries
 
     def collect(self) -> Iterator[Metric]:
-        workers = list(self.workers())
         for name, family, doc, value in _PER_WORKER:
             metric = family(f"lockstep_router:{name}", doc, labels=["worker"])
-            for w in workers:
+            for w in self.workers:
                 metric.add_metric([w.url], value(w))
             yield metric
         yield CounterMetricFamily("lockstep_router:retries", "Attempts retried on another worker.",
-                                  value=self.retries())
+                                  value=self.retries)
 
 
-def render(workers: Callable[[], Iterable[Any]], retries: Callable[[], int]) -> bytes:
+def render(workers: Iterable[Any], retries: int) -> bytes:
     registry = CollectorRegistry()
     registry.register(RouterCollector(workers, retries))
     return generate_latest(registry)

@@ -171,7 +171,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render_metrics(lambda: router.workers.values(), lambda: router.retries),
+        return Response(render_metrics(router.workers.values(), router.retries),
                         media_type=CONTENT_TYPE_LATEST)
 
     return app
