@@ -19,6 +19,9 @@ import pydantic_core
 
 ARGUMENT_KEYS = frozenset({"arguments", "parameters"})
 _WS = " \t\r\n"
+# The scanner's phases that read one punctuation character: those allowed, and the next phase.
+_PUNCTUATION = {"open": {"{": "key_or_end"}, "colon": {":": "value"},
+                "after_value": {",": "key", "}": "close"}}
 
 
 class Status(Enum):
@@ -90,11 +93,11 @@ class JsonCallScanner:
         if self.i == len(buf):
             return Status.MORE
         c = buf[self.i]
-        if phase == "open":
-            if c != "{":
+        if phase in _PUNCTUATION:
+            if c not in _PUNCTUATION[phase]:
                 return Status.FAILED
             self.i += 1
-            self._phase = "key_or_end"
+            self._phase = _PUNCTUATION[phase][c]
         elif phase in ("key", "key_or_end"):
             if c == "}" and phase == "key_or_end":
                 self.i += 1
@@ -111,18 +114,8 @@ class JsonCallScanner:
             self._seen.add(key)
             self._key = key
             self._phase = "colon"
-        elif phase == "colon":
-            if c != ":":
-                return Status.FAILED
-            self.i += 1
-            self._phase = "value"
         elif phase == "value":
             return self._value(buf, c)
-        elif phase == "after_value":
-            if c not in ",}":
-                return Status.FAILED
-            self.i += 1
-            self._phase = "key" if c == "," else "close"
         return None
 
     def _value(self, buf: str, c: str) -> Status | None:
