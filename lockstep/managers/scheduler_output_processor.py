@@ -5,6 +5,7 @@ tokens into its requests, decide which finished, and queue the outputs the sched
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 from lockstep.core import (
     FINISH_ABORT,
@@ -35,10 +36,8 @@ class SchedulerOutputProcessorMixin:
 
     def process_batch_result(self, batch: ScheduleBatch, res: GenerationBatchResult,
                              futures: list[int] | None = None) -> None:
-        sampled = 0
-        for i, req in enumerate(batch.reqs):
-            j = sampled
-            sampled += batch.samples[i]
+        # j: the request's first row among the sampled ones
+        for i, (req, j) in enumerate(zip(batch.reqs, accumulate(batch.samples, initial=0))):
             if batch.samples[i] and futures is not None and req.future_token == futures[j]:
                 req.future_token = None  # no later batch of this request was launched yet
             # Finished already: aborted while the batch ran or, with overlap, finished by the
