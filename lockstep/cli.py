@@ -70,13 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser.add_argument("--version", action="version", version=f"lockstep {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("serve", help="start the HTTP server (SGLang and OpenAI APIs)", add_help=False)
     benches = ", ".join(_benchmarks())
-    sub.add_parser("bench", help=f"run a benchmark: lockstep bench NAME [ARGS] ({benches})",
-                   add_help=False)
-    sub.add_parser("router", help="route requests across several servers (same HTTP API)",
-                   add_help=False)
-    if not argv or argv[0] not in ("serve", "bench", "router"):
+    for name, what in (("serve", "start the HTTP server (SGLang and OpenAI APIs)"),
+                       ("bench", f"run a benchmark: lockstep bench NAME [ARGS] ({benches})"),
+                       ("router", "route requests across several servers (same HTTP API)")):
+        sub.add_parser(name, help=what, add_help=False)
+    if not argv or argv[0] not in sub.choices:
         parser.parse_args(argv)  # --help, --version, or an error naming the commands
         parser.print_help()
         return 2
