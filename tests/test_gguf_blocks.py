@@ -141,8 +141,9 @@ def test_a_gguf_with_types_the_kernels_lack_loads_dequantized(tmp_path, monkeypa
 
 
 @pytest.mark.server
-def test_tiny_gguf_tp2_equals_tp1(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+def test_tiny_gguf_tp2_equals_tp1(tmp_path):
+    # the default cache dir: the spawned ranks reuse the compiled kernels (a private cache made
+    # each of them compile the kernels again, about 40 s)
     path = write_gguf(tiny_hf_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
     prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62, 63, 64]]
     single = run_to_completion(make_scheduler(path, max_total_tokens=2048),

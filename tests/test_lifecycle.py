@@ -52,7 +52,9 @@ def _child_by_title(server: LiveServer, prefix: str) -> int:
     raise AssertionError(f"no child titled {prefix!r}")
 
 
-@pytest.mark.parametrize("victim", ["lockstep::scheduler TP1", "lockstep::scheduler TP0", "lockstep::detokenizer"])
+# A rank other than 0: test_reliability's sigkill[scheduler-other-rank] (dp 2 x tp 2, under load).
+@pytest.mark.parametrize("victim", [pytest.param("lockstep::scheduler TP1", marks=pytest.mark.soak),
+                                    "lockstep::scheduler TP0", "lockstep::detokenizer"])
 def test_sigkill_of_a_child_ends_the_server_nonzero_with_nothing_left(model_dir, tmp_path, victim):
     server = LiveServer("--model-path", model_dir, "--tp-size", "2", log_dir=tmp_path)
     try:

@@ -67,22 +67,3 @@ def test_each_rank_holds_its_share_of_parallel_weights(tiny_model_dirs):
             # KV heads split evenly here (2 KV heads over 2 ranks): exactly half.
             assert rank[kind] == full // 2, (kind, rank[kind], full)
     assert all(r["total"] < 0.6 * sizes[1][0]["total"] for r in sizes[2])
-
-
-@pytest.mark.real_model
-def test_real_model_tp2_matches_a_single_rank():
-    from transformers import AutoTokenizer
-
-    from lockstep.model_loader import resolve_model
-
-    source = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(source.model_dir)
-    prompts = [tok(t).input_ids for t in ("The capital of France is", "Once upon a time,")]
-    res = run_to_completion(make_scheduler(None, max_total_tokens=4096),
-                            [greedy_req(f"r{i}", p, MAX_NEW) for i, p in enumerate(prompts)])
-    expected = [res[f"r{i}"].output_ids for i in range(len(prompts))]
-    launched = launch_subprocesses(ServerArgs(dtype="float32", tp_size=2, max_total_tokens=4096))
-    try:
-        assert generate_through(launched, prompts, MAX_NEW) == expected
-    finally:
-        launched.shutdown()
