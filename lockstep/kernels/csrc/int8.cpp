@@ -192,13 +192,13 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
 // sums as any order), which leaves lane j = W row j's block sum, so the float steps run with W rows in
 // the lanes of V/IV, 16 rows at a time: the same integers and float steps per output element as the
 // other paths, so the same bits.
-// Up to kRowLanesMaxM rows (a speculative verify's 1 + k rows, small decode batches) x goes over each
-// 16-row W tile in chunks of kRowChunk rows: the tile's blocks come from memory once and stay in L1/L2
-// for the later chunks (a tile of the default GGUF's widest rows, 16 x 2048 Q6_K, is 27 KiB), where a
-// chunk re-decodes them in registers. Measured (docs/benchmarks.md): faster than the x-in-lanes panels
-// below this bound.
+// Up to kRowLanesMaxM rows (small decode batches) x goes over each 16-row W tile in chunks of kRowChunk
+// rows: the tile's blocks come from memory once and stay in L1/L2 for the later chunks (a tile of the
+// default GGUF's widest rows, 16 x 2048 Q6_K, is 27 KiB), where a chunk re-decodes them in registers.
+// Measured on AVX2 (docs/benchmarks.md): at 5 rows 0.7x the x-in-lanes panels' time on the 262k head,
+// even at 9, and from about 10 rows on the panels (a fixed cost up to 16 rows) are faster.
 constexpr int64_t kRowChunk = 4;
-constexpr int64_t kRowLanesMaxM = 16;
+constexpr int64_t kRowLanesMaxM = 8;
 
 // the 8 lanes of w . x over one block of 32 (w decoded quants, x int8)
 template <bool kSignedW>
