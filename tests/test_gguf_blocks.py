@@ -1,5 +1,4 @@
-"""GGUF weights kept in their blocks: block layers against float references, TP sharding on block
-boundaries, types the kernels lack, and the default model served on its own blocks."""
+"""GGUF weights kept in their blocks: block layers against float references, TP 2 == TP 1 bitwise, types the kernels lack, and the default model served on its own blocks."""
 
 from __future__ import annotations
 
@@ -79,44 +78,23 @@ def test_embedding_reads_rows_from_blocks_and_a_tied_head_multiplies_by_them():
     torch.testing.assert_close(emb.logits(h), h @ table.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
-def test_tp2_row_parallel_shards_whole_blocks_and_sums_to_tp1():
-    w = blocks("Q8_0", 48, 128)
-    x = torch.randn(4, 128)
-    full = RowParallelLinear(128, 48, False, SINGLE, torch.float32)
+@pytest.mark.parametrize("int8", [False, True])
+def test_tp2_row_parallel_ranks_compute_tp1s_output_rows_bitwise(int8):
+    """A row-parallel rank multiplies the gathered x by its share of W's output rows, so its
+    outputs are TP 1's bits. The input is 3 Q8_0 blocks, which do not split over 2 ranks (an
+    all-reduce of partial sums could not shard it, and would round differently)."""
+    w = blocks("Q8_0", 48, 96)
+    x = torch.randn(4, 96)
+    full = RowParallelLinear(96, 48, False, SINGLE, torch.float32)
     full.weight_loader(full.weight, w)
-    full.finish_loading()
-    partial = []
+    full.finish_loading(int8_activations=int8)
+    want = full(x)
     for rank in range(2):
-        m = RowParallelLinear(128, 48, False, ParallelGroup(rank=rank, size=2), torch.float32)
+        m = RowParallelLinear(96, 48, False, ParallelGroup(rank=rank, size=2), torch.float32)
         m.weight_loader(m.weight, w)
-        m.finish_loading()
-        shard = m.weight if m.parts is None else m.parts[0].dequantize()
-        assert torch.equal(shard, w.dequantize()[:, rank * 64:(rank + 1) * 64])  # bitwise
-        partial.append(m._matmul(x[:, rank * 64:(rank + 1) * 64], None))  # all-reduce sums these
-    torch.testing.assert_close(partial[0] + partial[1], full(x), rtol=1e-5, atol=1e-5)
-
-
-def test_a_layout_that_cannot_split_names_the_tensor_block_size_and_tp_size():
-    w = blocks("Q8_0", 8, 96, "blk.3.ffn_down.weight")
-    m = RowParallelLinear(96, 8, False, ParallelGroup(rank=0, size=2), torch.float32)
-    with pytest.raises(ValueError) as info:
-        m.weight_loader(m.weight, w)
-    msg = str(info.value)
-    for part in ("blk.3.ffn_down.weight", "Q8_0", "blocks of 32", "tp size 2", "96 input columns"):
-        assert part in msg, msg
-
-
-@pytest.mark.server
-def test_a_gguf_that_cannot_split_fails_at_start_with_that_error(tmp_path, monkeypatch):
-    """intermediate 96 is 3 Q8_0 blocks: not whole blocks on each of 2 ranks."""
-    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
-    model = tiny_hf_model("qwen2", intermediate_size=96)
-    path = write_gguf(model, "qwen2", tmp_path / "odd.gguf", quantize=True)
-    args = ServerArgs(model_path=str(path), tp_size=2, max_total_tokens=1024)
-    with pytest.raises(Exception) as info:
-        launch_subprocesses(args).shutdown()
-    msg = str(info.value)
-    assert "blk.0.ffn_down.weight (Q8_0, blocks of 32 values)" in msg and "tp size 2" in msg, msg
+        m.finish_loading(int8_activations=int8)
+        # forward gathers x and then these rows; the gathers only copy
+        assert torch.equal(m._matmul(x, None), want[:, rank * 24:(rank + 1) * 24]), rank
 
 
 def test_a_gguf_with_types_the_kernels_lack_loads_dequantized(tmp_path, monkeypatch, caplog):
@@ -141,18 +119,24 @@ def test_a_gguf_with_types_the_kernels_lack_loads_dequantized(tmp_path, monkeypa
 
 
 @pytest.mark.server
-def test_tiny_gguf_tp2_equals_tp1(tmp_path):
+@pytest.mark.parametrize("int8", [False, True])
+def test_tiny_gguf_tp2_equals_tp1_bitwise(tmp_path, int8):
+    """ids and logprobs, with an intermediate size of 3 Q8_0 blocks (no whole-block split of the
+    down projection's input exists over 2 ranks), on both activation paths."""
     # the default cache dir: the spawned ranks reuse the compiled kernels (a private cache made
     # each of them compile the kernels again, about 40 s)
-    path = write_gguf(tiny_hf_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
+    model = tiny_hf_model("qwen3", intermediate_size=96)
+    path = write_gguf(model, "qwen3", tmp_path / "q3.gguf", quantize=True)
     prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62, 63, 64]]
-    single = run_to_completion(make_scheduler(path, max_total_tokens=2048),
-                               [greedy_req(f"r{i}", p, 12) for i, p in enumerate(prompts)])
-    launched = launch_subprocesses(ServerArgs(model_path=str(path), tp_size=2,
-                                              max_total_tokens=2048))
+    single = run_to_completion(
+        make_scheduler(path, max_total_tokens=2048, int8_activations=int8),
+        [greedy_req(f"r{i}", p, 12, return_logprob=True) for i, p in enumerate(prompts)])
+    launched = launch_subprocesses(ServerArgs(model_path=str(path), tp_size=2, max_total_tokens=2048,
+                                              int8_activations=int8))
     try:
-        assert generate_through(launched, prompts, 12) == [single[f"r{i}"].output_ids
-                                                           for i in range(len(prompts))]
+        assert generate_through(launched, prompts, 12, return_logprob=True) == [
+            (single[f"r{i}"].output_ids, single[f"r{i}"].logprobs)
+            for i in range(len(prompts))]
     finally:
         launched.shutdown()
 

@@ -1,7 +1,7 @@
 """A weight kept in GGML's quantized blocks (a GGUF's own bytes, or float weights packed at load).
 
 Rows are output features; each row is whole blocks along the input dimension, so a row range is a
-column-parallel shard and a range of whole blocks is a row-parallel one. `lockstep.kernels`
+tensor-parallel shard. `lockstep.kernels`
 multiplies by the blocks directly; where it has no compiled kernel for a type, the layer holding
 the weight dequantizes it once at load instead (see `BlockLinearParts`).
 """
@@ -47,20 +47,6 @@ class BlockWeight:
         if extra <= 0:
             return self
         return replace(self, blocks=F.pad(self.blocks, (0, 0, 0, extra)))
-
-    def shard_cols(self, rank: int, size: int) -> BlockWeight:
-        """Rank `rank`'s share of the input dimension, in whole blocks (a contiguous copy)."""
-        per_block, block_bytes = kernels.GGML_BLOCKS[self.qtype]
-        if self.n_cols % (per_block * size):
-            raise ValueError(
-                f"{self.name or 'a weight'} ({self.qtype}, blocks of {per_block} values): its "
-                f"{self.n_cols} input columns do not split into whole blocks over tp size {size} "
-                f"({self.n_cols // per_block} blocks); choose a --tp-size that divides "
-                f"{self.n_cols // per_block}")
-        local = self.n_cols // size
-        width = local // per_block * block_bytes
-        part = self.blocks[:, rank * width:(rank + 1) * width].contiguous()
-        return replace(self, blocks=part, n_cols=local)
 
     def dequantize(self) -> torch.Tensor:
         return kernels.dequantize(self.qtype, self.blocks, self.n_cols)

@@ -62,19 +62,21 @@ def run_to_completion(sched: Scheduler, schedule: dict[int, list[Any]] | list[An
 
 
 def generate_through(launched: Any, prompts: list[list[int]], max_new: int,
-                     concurrent: bool = True) -> list[list[int]]:
-    """Greedy-generate through a launched server's TokenizerManager (real processes, real ZMQ)."""
+                     concurrent: bool = True, return_logprob: bool = False) -> list[Any]:
+    """Greedy-generate through a launched server's TokenizerManager (real processes, real ZMQ):
+    each prompt's output ids, or with `return_logprob` (ids, their logprobs)."""
     tm = launched.tokenizer_manager
 
-    async def one(prompt: list[int]) -> list[int]:
-        req = GenerateReqInput(input_ids=prompt, sampling_params={
+    async def one(prompt: list[int]) -> Any:
+        req = GenerateReqInput(input_ids=prompt, return_logprob=return_logprob, sampling_params={
             "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
-        output_ids: list[int] = []
         async for out in tm.generate(req):
-            output_ids = out.output_ids
-        return output_ids
+            pass
+        if return_logprob:
+            return out.output_ids, [lp.logprob for lp in out.output_token_logprobs or []]
+        return out.output_ids
 
-    async def main() -> list[list[int]]:
+    async def main() -> list[Any]:
         if concurrent:
             return list(await asyncio.gather(*(one(p) for p in prompts)))
         return [await one(p) for p in prompts]
