@@ -44,9 +44,9 @@ class ServerArgs:
         None, "Split a reasoning model's thinking block off its chat replies into "
               "reasoning_content (SGLang's names: qwen3, qwen3-thinking, deepseek-r1, glm45, "
               "kimi, step3).", "model")
-    dtype: str = flag("auto", "auto: float32 on a CPU (the exact path: block weights, float32 "
-                              "activations, a request's numbers independent of its batch), "
-                              "bfloat16 on CUDA.",
+    dtype: str = flag("auto", "auto: float32 on a CPU (block weights; activations int8 per "
+                              "block where --int8-activations applies, else float32; a "
+                              "request's numbers independent of its batch), bfloat16 on CUDA.",
                       "model", choices=["auto", "float32", "bfloat16", "float16"])
     device: str = flag("cpu", "cpu or cuda.", "model", choices=["cpu", "cuda"])
     quantization: str | None = flag(
@@ -54,12 +54,14 @@ class ServerArgs:
               "block kernels (a GGUF is in blocks already): q8_0, q4_0 or fp16 weights, float32 "
               "activations (--device cpu, --dtype auto or float32).", "model",
         choices=list(QUANTIZATION_METHODS))
-    int8_activations: bool = flag(
-        False, "Opt-in, CPU: multiply the integer weight blocks (Q8_0/Q4_0/Q5_0/Q4_K/Q6_K) by "
-               "activations quantized per block of 32 to int8 (llama.cpp's arithmetic) at every "
-               "batch size: faster at large batches and prefill, still independent of the batch, "
-               "but not the exact path's numbers (agreement with float32: docs/benchmarks.md).",
-        "model")
+    int8_activations: bool | None = flag(
+        None, "CPU: multiply the integer weight blocks (Q8_0/Q4_0/Q5_0/Q4_K/Q6_K) by activations "
+              "quantized per block of 32 to int8 (llama.cpp's arithmetic) at every batch size, so a "
+              "request's numbers still do not depend on its batch. Default: on wherever it applies "
+              "(--device cpu, --dtype auto/float32, integer blocks: a GGUF or --quantization "
+              "q8_0/q4_0, a compiled int8 kernel), measured faster for one user and for many; "
+              "--no-int8-activations serves the exact float32 path (agreement with it: "
+              "docs/benchmarks.md).", "model")
     context_length: int | None = flag(None, "Override the model's.", "model")
     host: str = flag("127.0.0.1", "Address to listen on.", "server")
     port: int = flag(30000, "Port to listen on.", "server")

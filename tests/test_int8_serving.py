@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 
 from lockstep.entrypoints.engine import launch_subprocesses
+from lockstep.kernels import compiled
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
 from lockstep.server_args import ServerArgs
+from lockstep.testing.gguf_writer import write_gguf
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
-from lockstep.testing.tiny_models import tiny_prompts
+from lockstep.testing.tiny_models import tiny_hf_model, tiny_prompts
 
 
 def int8_parts(model) -> list[BlockWeight]:
@@ -52,7 +54,8 @@ def test_default_model_alone_equals_batched_and_stays_near_float32() -> None:
         alone = run([prompts[i]], f"a{i}-")[f"a{i}-0"]
         assert alone.output_ids == batched[f"b{i}"].output_ids
         assert alone.logprobs == batched[f"b{i}"].logprobs  # bitwise: same floats
-    exact = run_to_completion(make_scheduler(None, max_total_tokens=4096, disable_radix_cache=True),
+    exact = run_to_completion(make_scheduler(None, max_total_tokens=4096, disable_radix_cache=True,
+                                             int8_activations=False),
                               [greedy_req(f"e{i}", p, 8, return_logprob=True) for i, p in enumerate(prompts)])
     same_first = sum(exact[f"e{i}"].output_ids[0] == batched[f"b{i}"].output_ids[0] for i in range(12))
     assert same_first >= 10
@@ -101,5 +104,24 @@ def test_the_flag_on_the_command_line() -> None:
     parser = serve_parser()
     assert ServerArgs.from_cli_args(parser.parse_args(["--int8-activations"])).int8_activations is True
     assert ServerArgs.from_cli_args(parser.parse_args(["--no-int8-activations"])).int8_activations is False
-    assert ServerArgs.from_cli_args(parser.parse_args([])).int8_activations is False
+    assert ServerArgs.from_cli_args(parser.parse_args([])).int8_activations is None  # on where it applies
     assert "docs/benchmarks.md" in parser.format_help()
+
+
+@pytest.mark.skipif(not compiled("linear_int8"), reason="the default turns int8 on only where a "
+                    "compiled int8 kernel serves it; this machine has none")
+def test_the_default_is_int8_where_integer_blocks_are(tiny_model_dirs, tmp_path, monkeypatch) -> None:
+    """Without the flag: int8 activations on a GGUF and on --quantization q8_0, the exact path on a
+    float checkpoint and on --quantization fp16; --no-int8-activations keeps a GGUF exact."""
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = write_gguf(tiny_hf_model("qwen3"), "qwen3", tmp_path / "q3.gguf", quantize=True)
+    float_dir = tiny_model_dirs["qwen2"]
+
+    def n_int8(path, **kw) -> int:
+        return len(int8_parts(make_scheduler(path, max_total_tokens=1024, **kw).worker.runner.model))
+
+    assert n_int8(gguf_path) > 0
+    assert n_int8(float_dir, quantization="q8_0") == 1 + 4 * 4
+    assert n_int8(float_dir) == 0
+    assert n_int8(float_dir, quantization="fp16") == 0
+    assert n_int8(gguf_path, int8_activations=False) == 0

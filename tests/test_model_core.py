@@ -88,7 +88,7 @@ def real_model():
 def test_real_gemma3_270m_matches_hf(real_model):
     model_dir, prompts = real_model
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
-    sched = make_scheduler(None, max_total_tokens=4096)
+    sched = make_scheduler(None, max_total_tokens=4096, int8_activations=False)  # float32 path
     got = run_to_completion(sched, [greedy_req(f"r{i}", p, MAX_NEW, return_logprob=True)
                                     for i, p in enumerate(prompts)])
     for i, r in enumerate(ref):

@@ -51,10 +51,11 @@ def _amx_bf16_lacking() -> list[str]:
     return missing_flags("amx_bf16")
 
 
-def int8_activation_problems(enabled: bool, device: str, dtype: str,
+def int8_activation_problems(enabled: bool | None, device: str, dtype: str,
                              quantization: str | None) -> list[str]:
-    """What is wrong with `--int8-activations` beside --device / --dtype / --quantization, each
-    saying what to change; empty when they combine (or the flag is off)."""
+    """What is wrong with an explicit `--int8-activations` beside --device / --dtype /
+    --quantization, each saying what to change; empty when they combine, when it is off, or when
+    it is the default (None: on only where it applies)."""
     if not enabled:
         return []
     problems = []
@@ -69,3 +70,4 @@ def int8_activation_problems(enabled: bool, device: str, dtype: str,
                         f"{quantization} packs float ones: use --quantization q8_0 or q4_0, or drop "
                         "--int8-activations")
     return problems
+

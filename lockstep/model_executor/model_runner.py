@@ -41,7 +41,7 @@ class RunnerConfig:
     # Ranks that share this machine's memory (they split the KV budget).
     local_ranks: int = 1
     quantization: str | None = None  # --quantization: pack a float checkpoint into blocks
-    int8_activations: bool = False  # --int8-activations: integer blocks run on int8 activations
+    int8_activations: bool | None = None  # --int8-activations; None: on where it applies
 
 
 @dataclass

@@ -23,7 +23,10 @@ _BLOCK_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def load_model_weights(model: nn.Module, source: ModelSource, quantization: str | None,
-                       dtype: torch.dtype, device: str, int8_activations: bool = False) -> None:
+                       dtype: torch.dtype, device: str, int8_activations: bool | None = None) -> None:
+    """`int8_activations` None is the default: on where it applies (`int8_applies`)."""
+    if int8_activations is None:
+        int8_activations = int8_applies(source, quantization, dtype, device)
     if quantization is not None and source.gguf_file is not None:
         raise ValueError(f"--quantization {quantization}: {source.origin} is a GGUF, its weights "
                          "are quantized blocks already; drop --quantization")
@@ -55,13 +58,23 @@ def load_model_weights(model: nn.Module, source: ModelSource, quantization: str 
                     kernels.kernel_variant(), types)
 
 
+def int8_applies(source: ModelSource, quantization: str | None, dtype: torch.dtype,
+                 device: str) -> bool:
+    """Where the default turns int8 activations on: float32 on a CPU, integer blocks to multiply
+    (a GGUF, or --quantization q8_0/q4_0) and a compiled int8 kernel. Without the kernel the exact
+    path's fallback (blocks dequantized to float32 at load) is the faster of the two."""
+    integer = QUANTIZATION_TYPES.get(quantization or "") not in ("F16", "BF16", "F32")
+    blocks = source.gguf_file is not None or (quantization is not None and integer)
+    return device == "cpu" and dtype == torch.float32 and blocks and kernels.compiled("linear_int8")
+
+
 def _log_int8(model: nn.Module) -> None:
     types: Counter[str] = Counter()
     for m in model.modules():
         for part in (getattr(m, "parts", None) or []) + (getattr(m, "logits_parts", None) or []):
             if isinstance(part, BlockWeight) and part.int8_activations:
                 types[part.qtype] += 1
-    logger.info("--int8-activations: %s on int8 activations (%s)",
+    logger.info("int8 activations (--no-int8-activations for the exact float32 path): %s (%s)",
                 ", ".join(f"{t} ({n} matmuls)" for t, n in sorted(types.items())) or "no weight",
                 f"{kernels.kernel_variant()} kernels" if kernels.compiled("linear_int8")
                 else "no compiled int8 kernel here: the torch reference serves, slowly")
