@@ -1,12 +1,8 @@
-"""An incremental scanner for one call written as a JSON object: {"name": ..., "arguments": {...}}.
-
-Qwen2.5/3 (inside <tool_call> tags) and Llama 3.x (bare, or after <|python_tag|>) both write calls
-this way; Llama says "parameters" where Qwen says "arguments", and either is accepted. The call
-is announced once its name is known to be one of the tools and its arguments object has begun;
-the arguments then stream as the model's own text, piece by piece, so that their concatenation is
-exactly the JSON the model wrote. JSON values (keys, the name, the arguments) are decoded by the
-json library (`decode_at`); this module only reads the call's shape around them.
-"""
+"""An incremental scanner for one call written as {"name": ..., "arguments": {...}} (Qwen2.5/3 in
+<tool_call> tags, Llama 3.x with "parameters"). The call is announced once its name is a tool's
+and its arguments have begun; they then stream as the model's own text, so their concatenation is
+exactly the JSON it wrote. The json library decodes the values (`decode_at`); this module only
+reads the call's shape around them."""
 
 from __future__ import annotations
 
