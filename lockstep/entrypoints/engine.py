@@ -215,9 +215,6 @@ def install_signal_handlers(launched: Launched, exit_code_on_child_death: int = 
     launched.watch(on_death)
 
 
-# ---------------------------------------------------------------------------------------------
-# The offline Engine
-
 _END = object()
 
 

@@ -200,9 +200,6 @@ def _read_json_or_none(path: Path) -> Any:
         return None
 
 
-# --------------------------------------------------------------------------- HF directories
-
-
 def load_hf_dir(model_dir: Path, origin: str, gguf_file: Path | None = None) -> ModelSource:
     """Check an HF model directory and describe it; only headers are read, never tensor data.
     A GGUF's converted directory (`gguf_file`) has no weight files: they stay in the GGUF."""

@@ -32,10 +32,6 @@ class WorkerLike(Protocol):
     load: int
 
 
-# ---------------------------------------------------------------------------------------------
-# Approximate radix tree over characters
-
-
 def _common_prefix(edge: str, text: str, start: int) -> int:
     """Length of the common prefix of `edge` and `text[start:]` (slice compares run in C)."""
     n = min(len(edge), len(text) - start)
@@ -140,10 +136,6 @@ class RadixTree:
         self.size = 0
 
 
-# ---------------------------------------------------------------------------------------------
-# Policies
-
-
 class Policy:
     name = "base"
 
@@ -237,10 +229,6 @@ def make_policy(name: str, seed: int | None = 0, **cache_aware: Any) -> Policy:
     make = {"cache_aware": lambda: CacheAware(**cache_aware), "round_robin": RoundRobin,
             "random": lambda: RandomPolicy(seed), "power_of_two": lambda: PowerOfTwo(seed)}
     return make[name]()
-
-
-# ---------------------------------------------------------------------------------------------
-# The text a request is routed on
 
 
 def _prompt_text(value: Any) -> str:

@@ -55,10 +55,6 @@ def normalize_url(url: str) -> str:
     return url
 
 
-# ---------------------------------------------------------------------------------------------
-# Workers
-
-
 @dataclass
 class Worker:
     url: str

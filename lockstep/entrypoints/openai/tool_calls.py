@@ -142,10 +142,6 @@ def _check_choice(choice: str | NamedToolChoice | None, have_tools: bool
     return choice, None  # type: ignore[return-value]
 
 
-# ---------------------------------------------------------------------------------------------
-# Messages
-
-
 def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     """A message as chat templates expect it: tool-call arguments as objects, not JSON text."""
     calls = message.get("tool_calls")
@@ -163,10 +159,6 @@ def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
                 f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
         converted.append({**call, "function": {**function, "arguments": arguments}})
     return {**message, "tool_calls": converted}
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
