@@ -1,12 +1,8 @@
 """The tool-calling part of /v1/chat/completions: checking `tools` and `tool_choice`, what the
-prompt and the sampler get, and turning the generated text into `tool_calls`.
-
-`tool_choice` "auto" lets the model choose and the server's parser (--tool-call-parser, or the
-model family's format) reads its reply. "required" and a named function are forced by a JSON
-schema on the output (the structured-output machinery), in a format of lockstep's own that the
-schema fixes: an array of {"name", "arguments"} calls, or the named function's arguments object
-alone. "none" keeps the tools out of the prompt altogether.
-"""
+prompt and the sampler get, and the generated text as `tool_calls`. Under "auto" the server's
+parser (--tool-call-parser, or the family's format) reads the reply; "required" and a named
+function are forced by a JSON schema on the output (an array of {"name", "arguments"} calls, or
+the named function's arguments alone); "none" keeps the tools out of the prompt."""
 
 from __future__ import annotations
 
