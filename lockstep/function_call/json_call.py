@@ -37,10 +37,8 @@ def skip_ws(buf: str, i: int) -> int:
 
 
 def decode_at(buf: str, i: int) -> tuple[Any, int] | None:
-    """The JSON value that starts at `buf[i]` and the index just past it, or None while the text
-    ends inside it; ValueError once no more text can make it JSON. The json library finds where
-    a value ends (raw_decode) and pydantic_core's partial parser judges an unfinished one, as
-    SGLang does with raw_decode and partial_json_parser."""
+    """The JSON value at `buf[i]` and the index past it, None while the text ends inside it, or
+    ValueError once no text can make it JSON (raw_decode, and pydantic_core's partial parser)."""
     try:
         return _DECODER.raw_decode(buf, i)
     except RecursionError as e:  # a model may nest brackets past the interpreter's stack
