@@ -82,9 +82,8 @@ class Launched:
     _stopping: bool = False
 
     def server_info(self) -> dict[str, Any]:
-        """SGLang's /server_info: every server argument with the model's identity as resolved at
-        launch (a null model_path or served_model_name made SGLang's router register the server
-        as model "unknown"), and the live figures."""
+        """SGLang's /server_info: every server argument, the model's identity as resolved at launch
+        (SGLang's router registers a null one as "unknown"), and the live figures."""
         tm = self.tokenizer_manager
         assert tm is not None, "node 0 only"
         info = self.args.info()
