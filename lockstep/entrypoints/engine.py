@@ -17,8 +17,7 @@ TokenizerManager on a private asyncio loop in a background thread, so `generate`
 plain synchronous code and `async_generate` from any event loop. Outputs are SGLang's dicts:
 {"text", "output_ids", "meta_info"}; a list for a list of prompts (or n > 1). Streaming yields
 the same dicts, each carrying the whole text so far (only what each adds with
-incremental_streaming_output=True, as the HTTP stream does); a batch stream adds "index".
-"""
+incremental_streaming_output=True, as the HTTP stream does); a batch stream adds "index"."""
 
 from __future__ import annotations
 

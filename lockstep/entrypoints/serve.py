@@ -1,8 +1,7 @@
 """Starting the HTTP server: listen at once and answer 503 while the scheduler and detokenizer
 processes start through the shared launch path, then serve `create_app(launched)` with uvicorn.
 SIGTERM drains (new requests get 503, running ones finish for up to --graceful-shutdown-timeout
-seconds) and then ends every process; SIGINT ends them at once.
-"""
+seconds) and then ends every process; SIGINT ends them at once."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@
   per worker of the request texts sent there (prompt, chat messages as one string, or input ids
   as numbers), LRU-bounded to `max_tree_size` characters; load = requests in flight.
 
-A policy sees only its candidates (healthy workers not yet tried), `.url` and `.load`; no I/O.
-"""
+A policy sees only its candidates (healthy workers not yet tried), `.url` and `.load`; no I/O."""
 
 from __future__ import annotations
 
