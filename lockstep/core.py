@@ -1,7 +1,5 @@
-"""The shapes every stage shares, at the bottom of the package: a generated token with its
-logprob, the finish reasons, the sampling parameters (one type from the HTTP edge to the sampler),
-and the forward batch the model worker runs. Imports nothing of lockstep's own above it except the
-grammar constraint a request carries (checked when its sampling parameters are validated)."""
+"""The shapes every stage shares: a token's logprob, the finish reasons, the sampling parameters
+(one type from the HTTP edge to the sampler) and the forward batch the model worker runs."""
 
 from __future__ import annotations
 
@@ -81,10 +79,8 @@ class FINISH_ABORT(BaseFinishReason):  # noqa: N801
     type: ClassVar[str] = "abort"
 
 
-# ---- sampling parameters: one type from the HTTP edge to the sampler. A pydantic dataclass: the
-# HTTP bodies validate it where it is nested (/generate's sampling_params) and the OpenAI routes
-# construct it, so every bound is declared once, here, as a type (and /openapi.json states it).
-# Fields are strict one by one (no "1" for 1); the class itself accepts a dict, as a nested body.
+# ---- sampling parameters: a pydantic dataclass, so every bound is declared once, as a type
+# (/openapi.json states it). Fields are strict (no "1" for 1); the class accepts a dict.
 
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
@@ -317,9 +313,8 @@ def _cpu_row_metadata(kv: torch.Tensor, ext: torch.Tensor, pre: torch.Tensor, se
 
 
 def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:
-    """Cut requests [0, B) into up to n contiguous [start, end) ranges of about equal token
-    counts (decode: equal request counts), every range holding at least one request. Equal
-    work per micro-batch keeps every pipeline stage equally busy."""
+    """Cut requests [0, B) into up to n contiguous [start, end) ranges of about equal token counts
+    (decode: request counts), each with a request: equal work keeps every stage equally busy."""
     b = len(extend_lens)
     n = max(1, min(n, b))
     total = sum(extend_lens)
@@ -340,12 +335,10 @@ def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:
 
 
 def split_forward_batch(fb: ForwardBatch, n: int) -> list[ForwardBatch]:
-    """Contiguous micro-batches of `fb` for pipeline stages to work on at once: the requests of
-    each range as a batch of their own, whose attention metadata is left to build_attention.
-    Tokens are laid out request after request, so a range's tokens follow from extend_lens. Their
-    logits rows, concatenated in order, are exactly fb's: the worker builds logits_indices in token
-    order (request after request), so each micro-batch's rows are one consecutive run of them,
-    renumbered from 0."""
+    """Contiguous micro-batches of `fb` for pipeline stages to work on at once (attention metadata
+    left to build_attention). Tokens and logits_indices run request after request, so each
+    range's tokens follow from extend_lens and its logits rows are one consecutive run of fb's,
+    renumbered from 0: concatenated in order, they are exactly fb's."""
     ext = fb.extend_lens.tolist()
     ranges = micro_batch_ranges(ext, n)
     if len(ranges) == 1:

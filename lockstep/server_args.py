@@ -1,7 +1,5 @@
-"""Server arguments: one frozen dataclass, and the table the command line is built from.
-
-Names follow SGLang's (`--model-path`, `--tp-size`, ...) so SGLang users feel at home.
-"""
+"""Server arguments: one frozen dataclass, the table the command line is built from, with SGLang's
+names (`--model-path`, `--tp-size`, ...)."""
 
 from __future__ import annotations
 
@@ -192,11 +190,9 @@ class ServerArgs:
 
     @property
     def overlap_schedule(self) -> bool:
-        """Whether the schedulers run the overlap loop, resolved from the flag and the device:
-        on for cuda, off for cpu (where it did not pay) unless --enable-overlap-schedule.
-        Pipeline stages exchange hidden states and sampled tokens on the forward path, which a
-        forward thread would interleave with the scheduler's own collectives: plain loop there.
-        Speculative decoding picks each draft from the previous step's real tokens: plain loop."""
+        """Whether the schedulers run the overlap loop: on for cuda, off for cpu (where it did not
+        pay) unless asked for. Never with pipeline stages (a forward thread would interleave their
+        collectives with the scheduler's) or speculation (drafts need the last real tokens)."""
         if self.pp_size > 1 or self.enable_overlap_schedule is False or self.speculative_algorithm:
             return False
         return self.device == "cuda" or bool(self.enable_overlap_schedule)

@@ -3,5 +3,4 @@
 llguidance does the grammar work (chosen by measurement: docs/benchmarks.md, "Grammar backend").
 `constraint.py` names and checks a request's constraint (front process: no tokenizer needed);
 `backend.py` turns it into a per-request matcher over the model's vocabulary (scheduler ranks).
-Names are imported from those two modules, the one place each is defined.
-"""
+Names are imported from those two modules, the one place each is defined."""

@@ -1,12 +1,7 @@
-"""Per-request grammar matchers over the model's vocabulary, one backend per scheduler rank.
-
-Every rank builds the same matchers from the same requests and feeds them the same sampled
-tokens, so every rank computes the same vocabulary masks without exchanging anything.
-
-The vocabulary mask is a bitmask, int32 [rows, ceil(V / 32)], bit i of word w = token 32w + i
-allowed (llguidance's layout). Token ids the tokenizer does not have (the LM head padded past
-the tokenizer) are never allowed.
-"""
+"""Per-request grammar matchers over the model's vocabulary, one backend per scheduler rank: every
+rank builds the same matchers and feeds them the same tokens, so the masks agree unexchanged. A
+mask is int32 [rows, ceil(V / 32)], bit i of word w = token 32w + i allowed (llguidance's layout);
+ids past the tokenizer (a padded LM head) are never allowed."""
 
 from __future__ import annotations
 
@@ -51,10 +46,8 @@ class GrammarMatcher:
 
 
 class GrammarBackend:
-    """Compiles constraints against one tokenizer, caches them, hands out matchers.
-
-    `hf_tokenizer` is the fast HF tokenizer the rank already holds for stop strings: the
-    grammar's vocabulary is read from it rather than loading tokenizer.json a second time."""
+    """Compiles constraints against the rank's fast HF tokenizer (the stop strings' one), caches
+    them, hands out matchers."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  num_threads: int = 1) -> None:

@@ -1,11 +1,7 @@
-"""A request's output constraint, and its check before any token is generated.
-
-The check needs the model's tokenizer no more than llguidance does (it validates a grammar, and
-runs its first bytes over a byte vocabulary), so the front process runs it before dispatch: a
-bad, unbounded or unsatisfiable regex, schema or grammar is a 400 that names the problem, and a
-streaming request fails before its stream starts. The scheduler compiles the same text again
-against the vocabulary, under the same limits.
-"""
+"""A request's output constraint, and its check before any token is generated. The check needs no
+model tokenizer (it validates the grammar and runs its first bytes over a byte vocabulary), so
+the front runs it before dispatch: a bad, unbounded or unsatisfiable constraint is a 400 naming
+the problem. The scheduler compiles the same text against the vocabulary, under the same limits."""
 
 from __future__ import annotations
 
@@ -88,12 +84,10 @@ _SUBSCHEMAS = ("additionalProperties", "items", "then", "else")
 
 def strict_schema(schema: Any) -> Any:
     """`schema` as SGLang's default backend (xgrammar, strict_mode=True) reads it: an object
-    schema that says nothing about additionalProperties admits only its declared keys, and a
-    prefixItems tuple without `items` no further items. Without this, a small model keeps
-    inventing keys for a pydantic schema until max_tokens (instructor's
-    IncompleteOutputException). The bare {"type": "object"} (json_object) stays any object.
-    llguidance has no option for this (its JsonCompileOptions are separators, whitespace,
-    coerce_one_of and lenient), nor unevaluatedProperties/-Items, read here as
+    schema silent on additionalProperties admits only its declared keys, a prefixItems tuple
+    without `items` no more items (else a small model invents keys until max_tokens:
+    instructor's IncompleteOutputException); the bare {"type": "object"} stays any object.
+    llguidance has no such option, nor unevaluatedProperties/-Items, read here as
     additionalProperties/items where those are absent. The input is not modified."""
     if not isinstance(schema, dict):
         return schema

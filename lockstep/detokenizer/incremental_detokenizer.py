@@ -1,14 +1,8 @@
-"""Incremental detokenization of one request's output.
-
-Decoding token by token is wrong for byte-level and SentencePiece vocabularies: a character can
-span several tokens, and a token's leading space depends on what precedes it. So, as SGLang and
-vLLM do, each step decodes a short window that starts a few tokens back (the "surrogate" prefix)
-and takes the difference between the window with and without the new tokens.
-
-The same class runs in two processes on the same tokens: the detokenizer (text for the client)
-and the scheduler's stop checker (managers/stop_checker.py), whose character offsets into `text`
-(`ReqOutput.text_limit`) are therefore offsets into the detokenizer's text too.
-"""
+"""Incremental detokenization of one request's output. Token by token is wrong for byte-level and
+SentencePiece vocabularies (a character can span tokens; a leading space depends on what
+precedes), so, as SGLang and vLLM do, each step decodes a window starting a few tokens back and
+keeps the difference. The detokenizer and the scheduler's stop checker run it on the same tokens,
+so the stop checker's offsets (`ReqOutput.text_limit`) are offsets into the client's text."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 def load_tokenizer(args: Any) -> Any:
-    """The HF tokenizer of `args` (ServerArgs) that every process decodes with: the front, the
-    detokenizer and the schedulers."""
+    """The HF tokenizer of `args` (ServerArgs) that every process decodes with."""
     from transformers import AutoTokenizer
 
     from lockstep.model_loader import resolve_model
@@ -29,11 +22,8 @@ def load_tokenizer(args: Any) -> Any:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text that only grows: never half a multi-byte character.
-
-    `text` is every character that is final so far; `release(limit)` hands out what the caller
-    has not had yet, up to `limit` characters (a stop the scheduler matched, or a suffix that
-    could still become one, is held back that way)."""
+    """Token ids in, text that only grows out (never half a character): `text` is what is final;
+    `release(limit)` hands out what the caller has not had, up to `limit` characters."""
 
     def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True) -> None:

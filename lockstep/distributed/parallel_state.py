@@ -1,8 +1,7 @@
 """Process groups, passed explicitly to every layer that needs one (no global context).
 
 A `ParallelGroup` of size 1 runs no collective at all, so single-rank serving never touches
-torch.distributed.
-"""
+torch.distributed."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ TokenizerManager on a private asyncio loop in a background thread, so `generate`
 plain synchronous code and `async_generate` from any event loop. Outputs are SGLang's dicts:
 {"text", "output_ids", "meta_info"}; a list for a list of prompts (or n > 1). Streaming yields
 the same dicts, each carrying the whole text so far (only what each adds with
-incremental_streaming_output=True, as the HTTP stream does); a batch stream adds "index".
-"""
+incremental_streaming_output=True, as the HTTP stream does); a batch stream adds "index"."""
 
 from __future__ import annotations
 
@@ -82,9 +81,8 @@ class Launched:
     _stopping: bool = False
 
     def server_info(self) -> dict[str, Any]:
-        """SGLang's /server_info: every server argument with the model's identity as resolved at
-        launch (a null model_path or served_model_name made SGLang's router register the server
-        as model "unknown"), and the live figures."""
+        """SGLang's /server_info: every server argument, the model's identity as resolved at launch
+        (SGLang's router registers a null one as "unknown"), and the live figures."""
         tm = self.tokenizer_manager
         assert tm is not None, "node 0 only"
         info = self.args.info()
@@ -214,9 +212,6 @@ def install_signal_handlers(launched: Launched, exit_code_on_child_death: int = 
 
     launched.watch(on_death)
 
-
-# ---------------------------------------------------------------------------------------------
-# The offline Engine
 
 _END = object()
 

@@ -1,10 +1,6 @@
-"""Running the single requests one HTTP request (or Engine call) fans out into (prompts x n).
-
-`Fanout` runs them at once and hands back their outputs in arrival order. It first waits for
-every request's first output, so a request the server refuses (bad input, a prompt that can
-never fit) becomes a 4xx before any 200 or stream starts; closing it aborts whatever is still
-running, which frees the KV.
-"""
+"""Running the single requests one HTTP request (or Engine call) fans out into (prompts x n): at
+once, outputs in arrival order, after every request's first output, so a refused request becomes
+a 4xx before any 200 or stream starts; closing the Fanout aborts what still runs."""
 
 from __future__ import annotations
 
@@ -30,11 +26,8 @@ def raise_if_refused(item: GenerateOutput) -> None:
 
 
 class Fanout:
-    """Runs single requests concurrently; `items()` yields (index, output) in arrival order.
-
-    Call `start()` first: it returns once every request has produced its first output and
-    raises RequestError if any was refused. Always `close()` it (also safe inside a cancelled
-    task): requests still running are aborted."""
+    """`start()` returns once every request produced its first output (RequestError if one was
+    refused); `items()` then yields (index, output). Always `close()` it (safe when cancelled)."""
 
     def __init__(self, tm: TokenizerManager, singles: list[TokenizedGenerateReq]) -> None:
         self.tm = tm

@@ -1,12 +1,7 @@
-"""The request a generation starts from, validated: SGLang's /generate body (`GenerateReqInput`,
-also the offline Engine's arguments; its sampling params are lockstep.core.SamplingParams), and
-`fan_out`, which turns it (or an OpenAI request) into single requests, one prompt and one sample
-each (messages.TokenizedGenerateReq), which the TokenizerManager runs.
-
-Every request model forbids unknown fields: a parameter that is silently ignored is a wrong answer
-the client cannot see. A JSON null counts as "not given", as in OpenAI's API. Constraints are
-declared once, as types, so FastAPI's /openapi.json states them too.
-"""
+"""SGLang's /generate body (`GenerateReqInput`, also the offline Engine's arguments), validated,
+and `fan_out`, which turns it (or an OpenAI request) into single requests of one prompt and one
+sample each. Request models forbid unknown fields (a parameter silently ignored is a wrong answer
+the client cannot see); a JSON null counts as "not given", as in OpenAI's API."""
 
 from __future__ import annotations
 

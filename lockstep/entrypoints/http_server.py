@@ -1,10 +1,7 @@
-"""The HTTP app: SGLang's native API and OpenAI's, on FastAPI in the front process.
-
-Request bodies are pydantic models declared as route parameters, so FastAPI validates them and
-its own /openapi.json describes every route and field. Every error is a JSON object in OpenAI's
-shape with a 4xx status for anything the client got wrong (entrypoints/errors.py); /health is 200
-only while the server is ready: 503 while starting, draining, or after a child process died.
-"""
+"""The HTTP app: SGLang's native API and OpenAI's, on FastAPI in the front process. Bodies are
+pydantic models declared as route parameters, so FastAPI validates them and /openapi.json
+describes them; every error is OpenAI's JSON shape (entrypoints/errors.py); /health is 503 while
+the server starts, drains, or after a child process died."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Prometheus metrics of the front process, fed by the TokenizerManager's observer hook.
-
-Figures SGLang 0.5 also reports carry its names, label sets and histogram buckets
-(srt/observability/metrics_collector.py), so its Grafana dashboards and alerts work unchanged;
-lockstep-only figures are named lockstep:*. The scheduler's figures (running, queued, KV usage,
-cache hit rate) carry SGLang's scheduler labels with rank 0: every rank of a lockstep replica
-holds the same scheduler state, and with several replicas the figure is their sum.
-"""
+"""Prometheus metrics of the front process, fed by the TokenizerManager's observer hook. SGLang
+0.5's figures carry its names, labels and buckets, so its Grafana dashboards work unchanged;
+lockstep-only ones are lockstep:*. The scheduler's figures carry rank 0's labels: every rank of a
+replica holds the same state, and with several replicas the figure is their sum."""
 
 from __future__ import annotations
 

@@ -52,14 +52,11 @@ def unavailable_response(message: str) -> Response:
 
 
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with the connection limits it lacks (300 clients that sent half
-    their headers, or less body than their Content-Length, held 300 files of the front forever):
-    - A request must arrive whole, headers and body, within `read_timeout` s of its first byte;
-      else it gets a 408 (when no response has started) and the connection is closed.
-    - A connection idle before its first request is closed after the keep-alive timeout, as
-      uvicorn already closes one idle between requests.
-    - A connection opened while `max_connections` are open gets a 503 with Retry-After to its
-      first request and is closed. `limits()` makes the class for one server's values."""
+    """uvicorn's HTTP/1.1 protocol with the limits it lacks (300 clients that sent half their
+    headers held 300 files of the front forever): a request must arrive whole within
+    `read_timeout` s of its first byte (else 408 and close); a connection idle before its first
+    request closes after the keep-alive timeout; one past `max_connections` gets a 503 with
+    Retry-After and is closed. `limits()` makes the class for one server's values."""
 
     read_timeout: ClassVar[float] = 60.0
     max_connections: ClassVar[int | None] = None

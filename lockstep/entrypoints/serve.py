@@ -1,8 +1,7 @@
 """Starting the HTTP server: listen at once and answer 503 while the scheduler and detokenizer
 processes start through the shared launch path, then serve `create_app(launched)` with uvicorn.
 SIGTERM drains (new requests get 503, running ones finish for up to --graceful-shutdown-timeout
-seconds) and then ends every process; SIGINT ends them at once.
-"""
+seconds) and then ends every process; SIGINT ends them at once."""
 
 from __future__ import annotations
 
@@ -61,13 +60,10 @@ def _uvicorn_config(app: Any, args: ServerArgs, **overrides: Any) -> uvicorn.Con
 
 
 class StartupResponder:
-    """While the processes start: every request on the (already listening) socket gets the 503
-    that `status` gives in its "starting" phase, so that load balancers and clients see
-    "starting" rather than a refused connection. uvicorn, with the serving limits (a client
-    slower than the read timeout gets 408), on its own thread, so the launch (whose children
-    must be spawned by the main thread: PR_SET_PDEATHSIG follows the spawning thread) goes on
-    undisturbed. It serves a duplicate of the socket: `stop()` leaves it listening for the
-    real server, connections arriving meanwhile wait in its backlog."""
+    """While the processes start, every request on the listening socket gets `status`'s 503
+    ("starting", not a refused connection): uvicorn with the serving limits, on its own thread
+    (the main thread spawns the children: PR_SET_PDEATHSIG follows the spawning thread), on a
+    duplicate of the socket, which `stop()` leaves listening for the real server."""
 
     def __init__(self, sock: socket.socket, status: ServerStatus, args: ServerArgs) -> None:
         async def starting(scope: Any, receive: Any, send: Any) -> None:
@@ -92,9 +88,8 @@ class StartupResponder:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's Server, except that SIGTERM drains first: the status turns "draining" (new
-    generations and /health get 503), running requests get up to --graceful-shutdown-timeout
-    seconds to finish, what is left is aborted, and then uvicorn shuts down as usual. A second
+    """uvicorn's Server, except that SIGTERM drains first ("draining": new generations and /health
+    get 503; running requests get --graceful-shutdown-timeout s, then are aborted). A second
     SIGTERM, or SIGINT, stops at once. The status turns "ready" once uvicorn has started."""
 
     def __init__(self, config: uvicorn.Config, status: ServerStatus, launched: Launched) -> None:

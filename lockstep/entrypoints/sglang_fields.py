@@ -1,17 +1,11 @@
-"""Every request field SGLang 0.5 defines, and what lockstep does with it: the one table to edit
-for the next SGLang version.
+"""Every request field SGLang 0.5 defines (read from sglang==0.5.23's io_struct.py,
+sampling_params.py and openai/protocol.py), and what lockstep does with it: the one table to edit
+for the next SGLang version. Clients built on SGLang's types send all of them (sglang-router
+rebuilds every request from its own struct, each field at its default).
 
-Read from the PyPI wheel sglang==0.5.23: `srt/managers/io_struct.py` (GenerateReqInput, the
-/generate body), `srt/sampling/sampling_params.py` (SamplingParams, its API fields) and
-`srt/entrypoints/openai/protocol.py` (CompletionRequest, ChatCompletionRequest, with
-PDRoutingFields). Clients built on SGLang's types send all of them: sglang-router rebuilds every
-request from its own struct, with each field at its default.
-
-SERVED: a field of lockstep's own request model (tests check that each one is). `Off`: a feature
-lockstep does not have; the field is accepted at the values that ask for nothing (SGLang's
-default; a JSON null always) and dropped before validation, and any other value is a 400 naming
-the field and the value. A field in no table is unknown: the models refuse it (extra="forbid").
-"""
+SERVED: a field of lockstep's own request model (tests check each one is). `Off`: a feature
+lockstep lacks; the values that ask for nothing (SGLang's default; null always) are dropped
+before validation, any other is a 400 naming it. A field in no table is refused (extra="forbid")."""
 
 from __future__ import annotations
 

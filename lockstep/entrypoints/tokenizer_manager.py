@@ -1,8 +1,5 @@
-"""The front process's request tracker: tokenize, send to the scheduler, await outputs.
-
-Each request has a small state with a queue; one background task reads the detokenizer's
-socket and routes each output to its request. `generate` is an async iterator of
-`GenerateOutput`s that the HTTP routes and the Engine share."""
+"""The front process's request tracker: tokenize, send to the scheduler, await outputs (one
+background task routes the detokenizer's outputs to each request's queue)."""
 
 from __future__ import annotations
 
@@ -153,10 +150,9 @@ class TokenizerManager:
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:
-        """No text longer than this can tokenize to at most `max_prompt_tokens` tokens: a token
-        covers at most as many characters as its longest vocabulary entry has (four times that
-        for what Unicode normalization may fold together). Longer texts are refused before the
-        tokenizer runs, which on megabytes of text takes seconds."""
+        """No longer text fits `max_prompt_tokens` tokens (a token covers at most its longest
+        vocabulary entry's characters, x4 for Unicode normalization): longer ones are refused
+        before the tokenizer spends seconds on them."""
         try:
             longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no early refusal
@@ -182,9 +178,8 @@ class TokenizerManager:
         return list(ids)
 
     def resolve_params(self, sp: SamplingParams, prompt_len: int) -> SamplingParams:
-        """The request's params with max_new_tokens a number. The scheduler checks the prompt
-        and max_new_tokens against its context and KV pool (a 400 as the request's first
-        output); --max-prompt-tokens and logit_bias's token ids are the front's to check."""
+        """The request's params with max_new_tokens a number; checks --max-prompt-tokens and
+        logit_bias's ids (the scheduler checks the context and the KV pool)."""
         # Unset: as many as fit, in the context and in the KV pool (which may be smaller).
         fits = min(self.context_len, self.max_total_num_tokens) - prompt_len
         max_new = sp.max_new_tokens if sp.max_new_tokens is not None else max(fits, 0)

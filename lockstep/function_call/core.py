@@ -1,17 +1,11 @@
-"""The shape every tool-call parser shares: a text stream in, content and call deltas out.
+"""The shape every tool-call parser shares: a state machine over the generated text. `feed` returns
+what is certain so far: content that can no longer start a call, and call deltas in OpenAI's
+order (id and name, then `arguments` in pieces); possible markup is held back. `parse` runs the
+same machine over a whole text, so a stream cut anywhere concatenates to what `parse` returns.
 
-A parser is a small state machine over the generated text. `feed` takes the next piece of text
-and returns what can be said for certain so far: content that can no longer turn out to be the
-start of a call, and call deltas in OpenAI's order (a call's id and name first, then its
-`arguments` JSON in pieces). Text that might still be the start of call markup is held back, so
-partial markup never reaches content. `parse` runs the same machine over a complete text, so a
-stream cut anywhere concatenates to exactly what `parse` returns for well-formed output.
-
-Markup that turns out not to be a call before a call was announced (unknown function name, not
-JSON, ...) is released as plain content. Once a call has been announced to a stream it cannot be
-taken back; if its markup then breaks, `parse` of the whole text returns everything as content,
-since a non-streaming client should get the model's text rather than a broken call.
-"""
+Markup that turns out not to be a call before one was announced is released as content. An
+announced call cannot be taken back; if its markup then breaks, `parse` returns everything as
+content: a non-streaming client should get the model's text rather than a broken call."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 With tool_choice "required" the output is constrained to a JSON array of calls,
 [{"name": ..., "arguments": {...}}, ...]; with a named function it is constrained to that
 function's arguments object alone. Either way the grammar fixes the shape, so these parsers
-stream calls the same way the model-format parsers do, from the same base.
-"""
+stream calls the same way the model-format parsers do, from the same base."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""An incremental scanner for one call written as a JSON object: {"name": ..., "arguments": {...}}.
-
-Qwen2.5/3 (inside <tool_call> tags) and Llama 3.x (bare, or after <|python_tag|>) both write calls
-this way; Llama says "parameters" where Qwen says "arguments", and either is accepted. The call
-is announced once its name is known to be one of the tools and its arguments object has begun;
-the arguments then stream as the model's own text, piece by piece, so that their concatenation is
-exactly the JSON the model wrote. JSON values (keys, the name, the arguments) are decoded by the
-json library (`decode_at`); this module only reads the call's shape around them.
-"""
+"""An incremental scanner for one call written as {"name": ..., "arguments": {...}} (Qwen2.5/3 in
+<tool_call> tags, Llama 3.x with "parameters"). The call is announced once its name is a tool's
+and its arguments have begun; they then stream as the model's own text, so their concatenation is
+exactly the JSON it wrote. The json library decodes the values (`decode_at`); this module only
+reads the call's shape around them."""
 
 from __future__ import annotations
 
@@ -41,10 +37,8 @@ def skip_ws(buf: str, i: int) -> int:
 
 
 def decode_at(buf: str, i: int) -> tuple[Any, int] | None:
-    """The JSON value that starts at `buf[i]` and the index just past it, or None while the text
-    ends inside it; ValueError once no more text can make it JSON. The json library finds where
-    a value ends (raw_decode) and pydantic_core's partial parser judges an unfinished one, as
-    SGLang does with raw_decode and partial_json_parser."""
+    """The JSON value at `buf[i]` and the index past it, None while the text ends inside it, or
+    ValueError once no text can make it JSON (raw_decode, and pydantic_core's partial parser)."""
     try:
         return _DECODER.raw_decode(buf, i)
     except RecursionError as e:  # a model may nest brackets past the interpreter's stack

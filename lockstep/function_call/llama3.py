@@ -1,8 +1,7 @@
 """Llama 3.1 / 3.2 / 3.3 JSON calls: {"name": ..., "parameters": {...}}, several joined by ";".
 
 The calls are the whole reply (possibly after whitespace), or follow <|python_tag|> (when the
-detokenizer keeps special tokens), in which case text before the tag is content.
-"""
+detokenizer keeps special tokens), in which case text before the tag is content."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Pythonic calls, as Llama 3.2/4 and others write them: [get_weather(city="Paris"), f(n=1)].
 
 The list is the whole reply (possibly after whitespace). Keyword values are Python literals; each
-becomes JSON as soon as it is complete, so a call's `arguments` stream one argument at a time.
-"""
+becomes JSON as soon as it is complete, so a call's `arguments` stream one argument at a time."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Qwen2.5 / Qwen3 (and Hermes-style) calls: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.
 
-Text before the first tag is content; several tagged blocks are several calls.
-"""
+Text before the first tag is content; several tagged blocks are several calls."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Rows are output features; each row is whole blocks along the input dimension, so a row range is a
 tensor-parallel shard. `lockstep.kernels`
 multiplies by the blocks directly; where it has no compiled kernel for a type, the layer holding
-the weight dequantizes it once at load instead (see `BlockLinearParts`).
-"""
+the weight dequantizes it once at load instead (see `BlockLinearParts`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 A GGUF's table stays in its blocks: a lookup gathers the blocks of the wanted rows and
 dequantizes only those, so no float copy of the table exists; a tied LM head multiplies by the
-same blocks (or, where no kernel serves their type, by floats dequantized once at load).
-"""
+same blocks (or, where no kernel serves their type, by floats dequantized once at load)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ it runs on the same block kernels as a GGUF (`lockstep.kernels`, see block_weigh
 
 Every linear, the embedding table and the LM head are packed; norms and biases stay float. The
 kernels take float32 activations and run on the CPU, so the flag needs both; a GGUF's weights are
-blocks already. Imported by server_args for its choices: keep this module free of torch.
-"""
+blocks already. Imported by server_args for its choices: keep this module free of torch."""
 
 from __future__ import annotations
 

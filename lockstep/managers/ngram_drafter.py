@@ -1,12 +1,8 @@
-"""N-gram drafts for speculative decoding (SGLang's NGRAM algorithm in spirit): guess a request's next
-tokens from its own prompt and output, and from a bounded store of recent requests' tokens.
-
-The last n tokens (n from the max window down to the min) are looked up among the n-grams seen
-before; the tokens that followed their latest earlier occurrence are the draft. Everything here is a
-pure function of the tokens fed in, in the order the scheduler feeds them, with no clock, no set
-iteration and no randomness: every rank drafts the same tokens from its own copy of the inputs, so
-the ranks stay in lockstep without sending drafts.
-"""
+"""N-gram drafts for speculative decoding (SGLang's NGRAM algorithm in spirit): the tokens that
+followed the latest earlier occurrence of the request's last n tokens (n from the max window
+down), in its own prompt and output or in a bounded store of recent requests' tokens. A pure
+function of the tokens in the order the scheduler feeds them (no clock, set order or randomness),
+so every rank drafts alike without sending drafts."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""A request's scheduling state, and a batch of them ready for the model worker.
-
-A request's tokens are `fill_ids` = prompt + generated. `cached_len` of them have KV in the
-request's row of the req->token table; a step extends that to `device_len`. The same two
-numbers describe prefill, chunked prefill, extend-from-prefix, decode and resume-after-retract.
-
-With overlap scheduling a batch is launched before the previous one's result is processed:
-`cached_len` moves to `device_len` at launch (the forward thread runs batches in order, so any
-later batch sees that KV), and a token still being sampled is `future_token`, a placeholder
-that the next decode step uses as its input. `output_ids` only ever holds real tokens.
-"""
+"""A request's scheduling state, and a batch of them ready for the model worker. Of a request's
+`fill_ids` (prompt + generated), `cached_len` have KV in its req->token row; a step extends that
+to `device_len`: prefill, chunks, extend-from-prefix, decode and resume-after-retract alike. With
+overlap scheduling `cached_len` moves to `device_len` at launch (batches run in order), and a
+token still being sampled is `future_token`, a placeholder the next decode step reads;
+`output_ids` only ever holds real tokens."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Each step: process inputs -> get_next_batch_to_run -> run on the worker -> proce
 With overlap scheduling the worker runs on a forward thread: the step launches its batch, then
 processes the previous step's result while that batch computes (see `_step_overlap`).
 Nothing here reads wall-clock time, iterates a set, or draws unseeded randomness: two
-schedulers fed the same inputs make the same batches (see `fingerprints`).
-"""
+schedulers fed the same inputs make the same batches (see `fingerprints`)."""
 
 from __future__ import annotations
 

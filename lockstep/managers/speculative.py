@@ -1,19 +1,13 @@
 """Speculative decoding in the scheduler (--speculative-algorithm NGRAM): which decoding requests
 draft this step, and what their verify passes accepted.
 
-A request with a draft d_1..d_k extends by 1 + k positions in the decode batch (its last token,
-then the draft); the pass samples all 1 + k of them, position i with the noise plain decoding
-would draw there (sampling step + i). Its tokens are then taken in order and the run stops after
-the first that differs from the draft token the next position was computed from
-(`SchedulerOutputProcessorMixin._take_tokens`). On a CPU every row's logits are the bits a
-one-token decode step gives (the linears and norms are row-wise, attention runs each query row
-alone), so the tokens, logprobs and finishes are bitwise those of plain decoding.
-
-What drafts: requests whose sampling reads only their logits (no penalties, which count outputs,
-and no grammar, whose mask would need each draft token accepted first), in decode batches of at
-most SPEC_MAX_BATCH requests. Drafts are a pure function of the requests' tokens, so every rank
-drafts alike and the schedule fingerprint (which includes them) stays equal across ranks.
-"""
+A request with a draft d_1..d_k extends by 1 + k positions (its last token, then the draft), each
+sampled with the noise plain decoding would draw there (step + i); its tokens are taken in order
+up to the first that differs from the draft (`_take_tokens`). On a CPU every row's logits are
+the bits a one-token decode step gives (row-wise linears and norms, one query row per attention
+call), so tokens, logprobs and finishes are bitwise those of plain decoding. Only requests whose
+sampling reads nothing but their logits draft (no penalties, no grammar), in decode batches of
+at most SPEC_MAX_BATCH. Drafts are a pure function of the tokens: every rank drafts alike."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Stop strings and stop regexes, checked in the scheduler where tokens are produced (SGLang's
-`Req.check_finished`), on every rank alike: same tokens, same tokenizer, same decision.
-
-A request with stops decodes its output as the detokenizer does and searches only the new text
-plus the overlap a match can span (a stop's length - 1, a regex's longest match - 1, at most
-STOP_REGEX_LOOKBACK characters). Regexes run on RE2: time linear in the text and in the program
-(capped at admission), never exponential as `(a|aa)+b` is for a backtracking engine; the bound per
-token is measured in docs/reliability.md. The detokenizer never streams part of a stop: `limit`
-(sent as ReqOutput.text_limit) leaves out the longest suffix that could still grow into one (for a
-regex, found by RE2 on the pattern's prefix closure), and is the cut once a stop matched.
-"""
+`Req.check_finished`), on every rank alike. A request with stops decodes its output as the
+detokenizer does and searches only the new text plus the overlap a match can span. Regexes run on
+RE2: linear in the text and the program (capped at admission), never exponential as `(a|aa)+b`
+is when backtracking (docs/reliability.md). `limit` (ReqOutput.text_limit) leaves out the longest
+suffix that could still grow into a stop (for a regex, by RE2 on its prefix closure), so the
+detokenizer never streams part of one, and is the cut once a stop matched."""
 
 from __future__ import annotations
 

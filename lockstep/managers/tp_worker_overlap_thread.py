@@ -1,20 +1,13 @@
-"""The model worker on a forward thread, for overlap scheduling (SGLang's tp_worker_overlap_thread).
+"""The model worker on a forward thread, for overlap scheduling (SGLang's tp_worker_overlap_thread):
+the scheduler thread `submit`s batch N, then processes batch N-1's result and prepares N+1 while
+this thread runs N (torch ops release the GIL). Batches run one at a time in submission order,
+so each sees the KV every earlier one wrote, and `result()` returns results in that order.
 
-The scheduler thread `submit`s batch N and goes on to process batch N-1's result and to prepare
-batch N+1 while this thread runs batch N's forward and sampling. torch ops release the GIL, so
-the two really run at once. Batches run strictly one at a time in submission order, so a batch
-always sees the KV every earlier batch wrote, and `result()` returns results in that order.
-
-Batch N+1 is built before batch N has sampled, so its decode inputs name the tokens it has not
-sampled yet by *future-token placeholders*: negative ids `-i` that index `future_tokens[i]`.
-Before each forward this thread swaps them for the real tokens (`torch.where`); after sampling
-it writes the batch's own tokens into its placeholder slots. The slots are handed out by
-`submit`, on the scheduler thread, from a counter: the same on every rank, never timing-bound.
-
-On CUDA the thread runs on its own stream (the scheduler's input copies must not queue behind
-the forward), after an event that `submit` records once the batch's inputs are written.
-(Not yet run on a GPU: CPU is where this was built and tested.)
-"""
+Batch N+1 is built before N has sampled: its decode inputs name those tokens by *future-token
+placeholders*, negative ids `-i` indexing `future_tokens[i]`, which this thread swaps for the
+real tokens before each forward and fills in after sampling. `submit` hands the slots out from a
+counter on the scheduler thread: the same on every rank, never timing-bound. On CUDA the thread
+has its own stream, ordered after an event `submit` records (not yet run on a GPU)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 `ReqToTokenPool` maps a request slot to the row of KV slot indices its tokens occupy.
 `TokenToKVPool` holds preallocated K and V per layer, indexed by slot. Slot 0 is a reserved
-scratch slot (padding writes land there), so usable slots are 1..size.
-"""
+scratch slot (padding writes land there), so usable slots are 1..size."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""Prefix cache: a radix tree from token sequences to the KV slots that hold them.
+"""Prefix cache: a radix tree from token sequences to the KV slots that hold them. Requests that
+share a prompt prefix reuse its KV slots; the tree owns them, and evicting a node frees them.
 
-Requests that share a prompt prefix reuse its KV slots instead of recomputing
-them. The tree owns those slots; evicting a node hands them back to the
-allocator.
-
-Determinism: peer schedulers replay the same calls and must evict the same
-nodes, so recency is a logical clock bumped once per ``match_prefix`` /
-``insert`` call, and ties fall back to a node creation counter. Nothing here
-depends on wall time, ``id()`` or set ordering.
-"""
+Determinism: peer schedulers replay the same calls and must evict the same nodes, so recency is a
+logical clock bumped once per ``match_prefix`` / ``insert`` call, and ties fall back to a node
+creation counter. Nothing here depends on wall time, ``id()`` or set ordering."""
 
 from __future__ import annotations
 
@@ -26,12 +21,9 @@ __all__ = ["ChunkCache", "RadixCache", "TreeNode"]
 
 @dataclass(eq=False, slots=True)  # eq=False: nodes compare and hash by identity
 class TreeNode:
-    """One edge of the radix tree: a run of tokens and the slots holding their KV.
-
-    A node object always keeps the *tail* of its run when split, so a handle a
-    request holds (its ``last_node``) stays valid and keeps covering the same
-    tokens up to the root.
-    """
+    """One edge of the radix tree: a run of tokens and the slots holding their KV. A node keeps
+    the *tail* of its run when split, so a request's handle (its ``last_node``) stays valid and
+    keeps covering the same tokens up to the root."""
 
     node_id: int
     key: tuple[int, ...]
@@ -39,8 +31,7 @@ class TreeNode:
     parent: TreeNode | None
     lock_ref: int = 0
     last_access: int = 0
-    # Keyed by the first token of the child's run: in a radix tree no two
-    # children start with the same token.
+    # Keyed by the first token of the child's run: no two children start with the same token.
     children: dict[int, TreeNode] = field(default_factory=dict)
 
     def __repr__(self) -> str:
@@ -65,15 +56,13 @@ def _as_key(key: Sequence[int]) -> tuple[int, ...]:
 class RadixCache:
     def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
         self.allocator = allocator
-        # Empty results must live where real slot indices live, or the scheduler's
-        # torch.cat(prefix, new_slots) fails on a device mismatch.
+        # Empty results live where slot indices do, or torch.cat(prefix, new_slots) fails.
         self.device = torch.device(allocator.device)
         self.root = TreeNode(0, (), self._empty(), None)
         self._reset_state()
 
     def _reset_state(self) -> None:
-        # The root object survives a reset: a request that matched nothing
-        # holds the root as its last_node and will still dec_lock_ref it.
+        # The root survives a reset: a request that matched nothing will still dec_lock_ref it.
         self.root.children.clear()
         self._node_ids = itertools.count(1)  # creation order: the tie-break of eviction
         self._clock = 0
@@ -86,8 +75,6 @@ class RadixCache:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
-
-    # ------------------------------------------------------------------ lookup
 
     def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
         node, _, values = self._walk(_as_key(key), self._tick())
@@ -102,14 +89,12 @@ class RadixCache:
         now = self._tick()
         node, i, _ = self._walk(tokens, now)
         if i < len(tokens):
-            # clone() so the tree never aliases (and keeps alive) the
-            # caller's larger request tensor.
+            # clone(): the tree never aliases (and keeps alive) the caller's larger tensor.
             leaf = TreeNode(next(self._node_ids), tokens[i:], value[i:].clone(), node,
                             last_access=now)
             node.children[tokens[i]] = leaf
             self._evictable += len(leaf.key)
-        # The already-cached part keeps the tree's slots; the caller's copies
-        # of those tokens are duplicates it must free.
+        # The already-cached part keeps the tree's slots; the caller must free its duplicates.
         return i
 
     def _walk(self, tokens: tuple[int, ...], now: int) -> tuple[TreeNode, int, list[torch.Tensor]]:
@@ -124,8 +109,7 @@ class RadixCache:
                 break
             n = _common_prefix_len(child.key, tokens, i)
             if n < len(child.key):
-                # Split so the returned node ends exactly at the match: the
-                # caller locks it and must not pin tokens it does not share.
+                # Split so the node ends at the match: its locker must not pin tokens it lacks.
                 child = self._split(child, n)
             child.last_access = now
             values.append(child.value)
@@ -134,12 +118,9 @@ class RadixCache:
         return node, i, values
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:
-        """Cut ``child`` after ``at`` tokens; return the new head node.
-
-        ``child`` keeps the tail so existing handles to it stay valid. The head
-        inherits ``lock_ref`` because every lock on ``child`` also covers all
-        its ancestors, which now include the head.
-        """
+        """Cut ``child`` after ``at`` tokens; return the new head node. ``child`` keeps the tail so
+        handles to it stay valid; the head inherits ``lock_ref``, as every lock on ``child`` also
+        covers its ancestors, which now include the head."""
         assert 0 < at < len(child.key)
         parent = child.parent
         assert parent is not None
@@ -151,8 +132,6 @@ class RadixCache:
         child.parent = head
         head.children[child.key[0]] = child
         return head
-
-    # ----------------------------------------------------------------- locking
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -175,11 +154,9 @@ class RadixCache:
             assert node.parent is not None
             node = node.parent
 
-    # ---------------------------------------------------------------- eviction
-
     def evict(self, num_tokens: int) -> int:
-        # (last_access, node_id) is unique per node, so the heap never compares
-        # nodes and the order is a pure function of the call history.
+        # (last_access, node_id) is unique: the heap never compares nodes, and the order is a
+        # pure function of the call history.
         heap = [(n.last_access, n.node_id, n) for n in self._nodes() if self._evictable_leaf(n)]
         heapq.heapify(heap)
         evicted = 0
@@ -192,16 +169,13 @@ class RadixCache:
             node.parent = None
             evicted += len(node.key)
             self._evictable -= len(node.key)
-            # Removing the last child turns the parent into a leaf that may now
-            # be the oldest thing left.
+            # Removing the last child makes the parent a leaf, maybe the oldest one left.
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return evicted
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
         return node is not self.root and node.lock_ref == 0 and not node.children
-
-    # ------------------------------------------------------------- accounting
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -248,13 +222,9 @@ class RadixCache:
 
 
 class ChunkCache(RadixCache):
-    """Stand-in for ``--disable-radix-cache``: caches nothing, shares nothing.
-
-    ``insert`` adds nothing and counts every token as already held, so the
-    caller frees every slot of a finished request, as it frees the duplicates
-    of a real tree; the tree stays empty, so every lookup, lock, eviction and
-    size is the empty tree's.
-    """
+    """Stand-in for ``--disable-radix-cache``: caches nothing, shares nothing. ``insert`` counts
+    every token as already held, so the caller frees every slot, as it frees a real tree's
+    duplicates; every lookup, lock, eviction and size is the empty tree's."""
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         return len(key)

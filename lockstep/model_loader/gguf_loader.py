@@ -1,13 +1,8 @@
-"""Describe a GGUF checkpoint once, for every later start: an HF config, a fast tokenizer and a
-tensor index.
-
-The weights stay in the GGUF: `gguf_tensors.json` maps each HF parameter name to its bytes in the
-file (offset, length, GGML type, HF shape) and the transform that undoes llama.cpp's (Gemma's
-norm + 1, Llama's q/k row permutation), and `weights.py` reads them by memory map at load, in
-their quantized blocks. Parsing the GGUF itself (its 262k-entry vocabulary takes gguf ~17 s) is
-paid once, here. Where the GGUF leaves a hyper-parameter implicit we use the value llama.cpp
-hard-codes for that family.
-"""
+"""Describe a GGUF checkpoint once, for every later start (parsing a 262k vocabulary takes ~17 s):
+an HF config, a fast tokenizer and `gguf_tensors.json`, which maps each HF parameter to its bytes
+in the GGUF (offset, length, GGML type, HF shape) and the transform undoing llama.cpp's (Gemma's
+norm + 1, Llama's q/k permutation); `weights.py` memory-maps them, in their quantized blocks.
+Hyper-parameters the GGUF leaves implicit take the value llama.cpp hard-codes for the family."""
 
 from __future__ import annotations
 
@@ -30,25 +25,15 @@ logger = logging.getLogger(__name__)
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj"}
 # Gemma 3 also norms each sub-layer's output, so llama.cpp's ffn_norm is the *pre*-FFN norm there.
-_GEMMA3_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
 # The GGUF architectures supported, and the HF class of each.
 _HF_ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM",
                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -139,13 +124,9 @@ def _rope(meta: _Metadata, default_theta: float) -> dict[str, Any]:
 
 
 def _llama3_rope(freqs: np.ndarray, theta: float, rope_dim: int) -> dict[str, Any] | None:
-    """Recover HF's llama3 rope parameters from the per-frequency divisors llama.cpp stores.
-
-    llama.cpp bakes Llama 3.1+'s rope scaling into a `rope_freqs` tensor instead of metadata.
-    Meta ships low_freq_factor 1 and high_freq_factor 4 in every such checkpoint; the scale factor
-    is the largest divisor and the original context length follows from any interpolated
-    frequency.
-    """
+    """HF's llama3 rope parameters from the per-frequency divisors llama.cpp stores in
+    `rope_freqs` (Llama 3.1+): low/high_freq_factor are Meta's 1 and 4 in every such checkpoint,
+    the factor is the largest divisor, the original context follows from any interpolated one."""
     freqs = freqs.astype(np.float64)
     factor = float(f"{freqs.max():.5g}")  # the plateau is the factor itself, up to float32 noise
     if factor <= 1.0:
@@ -334,11 +315,8 @@ def _write_generation_config(meta: _Metadata, config: Any, vocab: dict[str, int]
 
 
 def _tokenizer_class(config: Any) -> Any:
-    """The tokenizer class AutoTokenizer picks for this config, without its slow GGUF re-parse.
-
-    AutoTokenizer(gguf_file=...) re-reads the whole GGUF with the legacy reader just to learn the
-    model type (~25 s for a 262k vocabulary); we already have the config.
-    """
+    """The tokenizer class AutoTokenizer picks for this config, without AutoTokenizer(gguf_file=)
+    re-reading the whole GGUF to learn the model type (~25 s for a 262k vocabulary)."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     try:

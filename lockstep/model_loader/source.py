@@ -1,10 +1,7 @@
-"""Turn what the user passed (`--model-path`) into one validated model source.
-
-A GGUF file is described once into ``<cache>/<sha256[:16]>-blocks/`` (HF config, tokenizer, an index
-of its tensors) and its weights are read from the GGUF itself, in their quantized blocks; an HF
-directory is checked and used in place. Anything wrong with the user's files surfaces as a
-`ModelLoadError` naming the file, so the CLI prints one line instead of a deep traceback.
-"""
+"""`--model-path` as one validated model source: a GGUF is described once into
+``<cache>/<sha256[:16]>-blocks/`` (HF config, tokenizer, tensor index; the weights stay in the
+GGUF), an HF directory is checked and used in place. Anything wrong with the user's files is a
+`ModelLoadError` naming the file: one line from the CLI, not a traceback."""
 
 from __future__ import annotations
 
@@ -198,9 +195,6 @@ def _read_json_or_none(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-# --------------------------------------------------------------------------- HF directories
 
 
 def load_hf_dir(model_dir: Path, origin: str, gguf_file: Path | None = None) -> ModelSource:

@@ -3,16 +3,11 @@
 - `round_robin`: the healthy workers in turn.
 - `random`: uniformly at random (seeded, so a run can be replayed).
 - `power_of_two`: two workers at random, the one with fewer requests in flight.
-- `cache_aware`: SGLang router's algorithm (`lockstep.utils.cache_aware`, the DP controller's
-  rule too) over an approximate radix tree per worker of the request texts it sent there (a
-  character tree; prompt text, chat messages rendered to one string, or input ids as a string
-  of numbers); load = requests in flight. The text is then inserted into the chosen worker's
-  tree. Each tree holds at most `max_tree_size` characters; past that its least recently used
-  leaves are evicted.
+- `cache_aware`: SGLang router's rule (`lockstep.utils.cache_aware`) over a character radix tree
+  per worker of the request texts sent there (prompt, chat messages as one string, or input ids
+  as numbers), LRU-bounded to `max_tree_size` characters; load = requests in flight.
 
-A policy sees only the candidates it is given (the healthy workers not yet tried for this
-request) as objects with `.url` and `.load`; it never does I/O.
-"""
+A policy sees only its candidates (healthy workers not yet tried), `.url` and `.load`; no I/O."""
 
 from __future__ import annotations
 
@@ -30,10 +25,6 @@ POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 class WorkerLike(Protocol):
     url: str
     load: int
-
-
-# ---------------------------------------------------------------------------------------------
-# Approximate radix tree over characters
 
 
 def _common_prefix(edge: str, text: str, start: int) -> int:
@@ -140,10 +131,6 @@ class RadixTree:
         self.size = 0
 
 
-# ---------------------------------------------------------------------------------------------
-# Policies
-
-
 class Policy:
     name = "base"
 
@@ -237,10 +224,6 @@ def make_policy(name: str, seed: int | None = 0, **cache_aware: Any) -> Policy:
     make = {"cache_aware": lambda: CacheAware(**cache_aware), "round_robin": RoundRobin,
             "random": lambda: RandomPolicy(seed), "power_of_two": lambda: PowerOfTwo(seed)}
     return make[name]()
-
-
-# ---------------------------------------------------------------------------------------------
-# The text a request is routed on
 
 
 def _prompt_text(value: Any) -> str:

@@ -3,22 +3,15 @@
     lockstep router --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002 \\
         --policy cache_aware --port 30000
 
-- Generation routes (/generate, /v1/completions, /v1/chat/completions) go to the worker the
-  policy picks (see policies.py); streams are relayed chunk by chunk as they arrive.
-- A request whose attempt fails before anything reached the client — connection refused or
-  reset, the worker gone before its first byte, or a 5xx — is retried on another worker, each
-  worker at most once. Once a byte has gone to the client a request is never retried, so no
-  request is answered twice; a stream cut mid-way ends with an SSE error event and no [DONE].
-- Health: every `--health-check-interval` seconds GET /health on each worker; a worker that fails
-  it (or refuses a connection) is taken out of rotation until it passes again.
-- /health is 200 while at least one worker is healthy; /v1/models, /model_info, /server_info
-  (also under /get_*), /health_generate and /tokenize, /detokenize (also under /v1/) come from
-  one worker; /flush_cache and /abort_request go to all of them.
-- Admin (SGLang router's names): POST /add_worker?url=URL, POST /remove_worker?url=URL,
-  GET /list_workers; GET /get_router_info has per-worker counters and the policy's state.
-
-Client credentials (the Authorization header) are passed through to the workers unchanged.
-"""
+- Generation routes go to the worker the policy picks (policies.py); streams are relayed as
+  they arrive. An attempt that fails before anything reached the client (refused, reset, gone
+  before its first byte, a 5xx) is retried on another worker, each at most once; after a byte
+  it never is, so no request is answered twice (a cut stream ends with an SSE error, no [DONE]).
+- Every `--health-check-interval` s each worker's /health is checked; a failing one leaves the
+  rotation until it passes. /health is 200 while one worker is healthy; info, /tokenize and
+  /detokenize come from one worker; /flush_cache and /abort_request go to all of them.
+- Admin (SGLang router's names): POST /add_worker?url=URL, /remove_worker?url=URL,
+  GET /list_workers, /get_router_info. The Authorization header is passed through unchanged."""
 
 from __future__ import annotations
 
@@ -53,10 +46,6 @@ def normalize_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(f"worker URL {url!r} must look like http://HOST:PORT")
     return url
-
-
-# ---------------------------------------------------------------------------------------------
-# Workers
 
 
 @dataclass

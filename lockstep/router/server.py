@@ -28,10 +28,6 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 _FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent")
 
 
-# ---------------------------------------------------------------------------------------------
-# The app
-
-
 def _forward_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_REQUEST_HEADERS}
 
@@ -175,10 +171,6 @@ def create_app(config: RouterConfig) -> FastAPI:
                         media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
 
 
 def build_parser(prog: str = "lockstep router") -> argparse.ArgumentParser:

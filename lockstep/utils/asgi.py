@@ -22,11 +22,9 @@ async def _wait_disconnect(receive: Any) -> None:
 
 
 async def unless_disconnected(receive: Any, work: Awaitable[T]) -> T:
-    """`work`'s result, or ClientDisconnect once the client has gone: `work` is cancelled then,
-    which is what aborts the generation (or the upstream request) behind it. Watched here
-    whatever ASGI spec version the server speaks: Starlette only listens for the disconnect
-    below 2.4 and otherwise notices it on the next write, which for a queued request or a
-    non-streamed one may be minutes away while its KV stays held."""
+    """`work`'s result, or ClientDisconnect once the client has gone (`work` is cancelled, which
+    aborts the generation behind it). Starlette listens for the disconnect only below ASGI 2.4,
+    else notices it on the next write: minutes away for a queued or non-streamed request."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
     try:
@@ -68,10 +66,9 @@ class SSEResponse(DisconnectAwareStreamingResponse):
 
 
 class BodyLimit:
-    """Pure ASGI middleware (streams and disconnects pass straight through): a body over
-    `max_body` bytes is refused with 413, whether its Content-Length says so or it is streamed in
-    chunks. A body is read whole before the route runs; a client gone before its body arrived
-    gets no answer. Subclasses refuse more in `_refusal`."""
+    """Pure ASGI middleware: a body over `max_body` bytes gets 413, by its Content-Length or as
+    it streams in; a body is read whole before the route runs. Subclasses refuse more in
+    `_refusal`."""
 
     def __init__(self, app: Any, max_body: int) -> None:
         self.app = app

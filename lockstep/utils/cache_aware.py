@@ -1,13 +1,8 @@
 """SGLang's cache-aware choice, shared by the DP controller (replicas) and the router (servers).
 
-Given each candidate's load, the share of the request's prefix it has cached, and the size of
-its cache index:
-  1. when the load is imbalanced (max - min > `abs_threshold` and max > min * `rel_threshold`),
-     the least loaded candidate;
-  2. else, when the best prefix match covers more than `cache_threshold` of the request, the
-     candidate with that match (ties: the less loaded);
-  3. else the candidate that has cached least (ties: the less loaded), which spreads new prefixes.
-"""
+The least loaded candidate when load is imbalanced (max - min > `abs_threshold` and max > min *
+`rel_threshold`); else the best prefix match when it covers more than `cache_threshold` of the
+request; else the candidate that has cached least, which spreads new prefixes (ties: less load)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
-"""The forward-progress watchdog of a child process: every scheduler, the detokenizer and the
-DP controller (--watchdog-timeout).
-
-The event loop reports each step: `step_begins(busy)` once the step's inputs are in hand and
-`step_done(busy)` after it, where busy means the process holds work (new inputs, or requests
-waiting or running; for the detokenizer and the DP controller, the message being handled). A
-daemon thread watches the clock: when the process has been busy for `timeout` seconds without
-finishing a step (a hung collective, a peer rank that stopped, a forward that never returns, a
-message that takes forever to handle) it logs why, dumps every thread's stack with faulthandler,
-and exits this process at once with code 1. The launcher's child watch (entrypoints/engine.py)
-sees the exit within a second and brings the whole server down. No signal goes to the parent:
-under the offline Engine the parent is the user's own Python process, which a signal would kill.
-A process blocked waiting for input never fires.
-
-Only the wall clock of this thread is read here; nothing of it enters a scheduling decision.
-"""
+"""The forward-progress watchdog of every scheduler, the detokenizer and the DP controller
+(--watchdog-timeout). The event loop calls `step_begins(busy)` once a step's inputs are in hand
+and `step_done(busy)` after it (busy: the process holds work). A process busy for `timeout` s
+without finishing a step (a hung collective, a stopped peer rank, a forward that never returns)
+logs why, dumps every thread's stack and exits with code 1; the launcher's child watch then
+brings the server down. No signal goes to the parent: under the offline Engine that is the
+user's own Python process. Only this thread reads the clock: no scheduling decision does."""
 
 from __future__ import annotations
 

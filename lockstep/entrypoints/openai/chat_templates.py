@@ -1,10 +1,5 @@
-"""Chat templates: which one a model uses, and rendering through transformers.
-
-The default model's GGUF carries no chat template, so a family's template has to come from
-somewhere; the built-ins reproduce each family's official format exactly. Rendering is the
-tokenizer's own `apply_chat_template(..., chat_template=...)`, so a template renders here as it
-does in transformers.
-"""
+"""Chat templates: which one a model uses (the default model's GGUF has none: built-ins reproduce
+each family's official format), rendered by the tokenizer's own `apply_chat_template`."""
 
 from __future__ import annotations
 
@@ -19,9 +14,8 @@ import jinja2
 
 from lockstep.function_call.registry import LLAMA_NAMES, QWEN_NAMES
 
-# The built-ins, one per family lockstep serves, tools included: each reproduces its family's
-# official format (with `tools` as the family's instruct models were trained to see them). They
-# are Jinja files beside this module, each opening with a comment on where its format comes from.
+# One Jinja file per family beside this module, tools included, each saying where its format
+# comes from.
 BUILTIN_CHAT_TEMPLATES: dict[str, str] = {
     path.stem: path.read_text(encoding="utf-8")
     for path in sorted((Path(__file__).parent / "chat_templates_builtin").glob("*.jinja"))

@@ -1,10 +1,6 @@
-"""Request and response models of OpenAI's API (SGLang's native /generate body lives with the
-managers: `lockstep.entrypoints.generate_request`).
-
-Every request model forbids unknown fields and declares its constraints as types (`Literal`,
-`Field` bounds, shape-discriminated unions), so FastAPI validates them and /openapi.json states
-them. The fields of SGLang's that lockstep does not serve are in lockstep.entrypoints.sglang_fields.
-"""
+"""Request and response models of OpenAI's API. Request models forbid unknown fields and declare
+their constraints as types, so FastAPI validates them and /openapi.json states them; SGLang's
+fields that lockstep does not serve are in lockstep.entrypoints.sglang_fields."""
 
 from __future__ import annotations
 
@@ -55,10 +51,6 @@ PromptInput = shaped(
     "a string, a list of strings, a list of token ids or a list of lists of token ids",
     _prompt_shape,
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# OpenAI requests
 
 
 class StreamOptions(StrictModel):
@@ -317,9 +309,6 @@ class ChatCompletionRequest(_OpenAIRequest):
                  "role": m.role, "content": m.text()} for m in self.messages]
 
 
-# ---------------------------------------------------------------------------------------------
-# OpenAI responses
-
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
@@ -457,10 +446,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------
-# Native control routes
 
 
 class AbortRequestInput(StrictModel):

@@ -1,14 +1,9 @@
-"""Reasoning models' thinking blocks: the generated text in, `reasoning_content` and `content`
-out, complete or streamed, by SGLang's --reasoning-parser names.
-
-A reply is `[<think>] reasoning </think> content`. Whether it starts inside the block is known
-before the first token: some models always open it themselves or have the prompt open it
-(DeepSeek-R1, Qwen3-thinking), Qwen3 thinks unless the request says
-`chat_template_kwargs: {"enable_thinking": false}`, and a prompt that ends with the start marker
-has opened it. Otherwise a block is only one that the reply starts with. As the tool-call
-parsers do, a stream holds back text that may be the start of a marker, so a marker split over
-two deltas never leaks into either field; `parse` runs the same machine over a whole text.
-"""
+"""Reasoning models' thinking blocks, by SGLang's --reasoning-parser names: a reply
+`[<think>] reasoning </think> content` in, `reasoning_content` and `content` out. Whether it
+starts inside the block is known before the first token (the format always thinks, the prompt
+ends with the start marker, or Qwen3's enable_thinking is not false); otherwise only a block the
+reply starts with counts. As the tool-call parsers do, a stream holds back what may be the start
+of a marker; `parse` runs the same machine over a whole text."""
 
 from __future__ import annotations
 

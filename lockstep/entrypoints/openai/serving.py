@@ -190,10 +190,8 @@ class OpenAIServing:
 
     def reasoning_parsers(self, req: ChatCompletionRequest, prompt: str, json_output: bool,
                           n: int) -> list[ReasoningParser | None]:
-        """One per choice; None where the reply is not split (no --reasoning-parser, or
-        separate_reasoning false: the thinking stays in content). A JSON constraint (a forced
-        tool call, response_format) holds from the first token: no block can open the reply,
-        which would otherwise be taken for reasoning whole."""
+        """One per choice; None where the reply is not split. Under a JSON constraint (a forced
+        call, response_format) no block can open the reply, which would be taken for reasoning."""
         fmt = self.reasoning
         if fmt is None or not req.separate_reasoning:
             return [None] * n
@@ -215,8 +213,8 @@ class OpenAIServing:
 
         def choice(index: int, item: GenerateOutput, text: str, cursor: _LogprobCursor
                    ) -> CompletionChoice:
-            """A whole reply (`text` all of it), or a stream's delta: the prompt comes first
-            with echo, and the logprobs are what `cursor` has not sent yet."""
+            """A whole reply or a stream's delta: the prompt first with echo, and the logprobs
+            `cursor` has not sent yet."""
             if echoed is not None and not cursor.prompt_sent:
                 text = echoed[singles[index].prompt_index] + text
             lp = None

@@ -1,12 +1,8 @@
 """The tool-calling part of /v1/chat/completions: checking `tools` and `tool_choice`, what the
-prompt and the sampler get, and turning the generated text into `tool_calls`.
-
-`tool_choice` "auto" lets the model choose and the server's parser (--tool-call-parser, or the
-model family's format) reads its reply. "required" and a named function are forced by a JSON
-schema on the output (the structured-output machinery), in a format of lockstep's own that the
-schema fixes: an array of {"name", "arguments"} calls, or the named function's arguments object
-alone. "none" keeps the tools out of the prompt altogether.
-"""
+prompt and the sampler get, and the generated text as `tool_calls`. Under "auto" the server's
+parser (--tool-call-parser, or the family's format) reads the reply; "required" and a named
+function are forced by a JSON schema on the output (an array of {"name", "arguments"} calls, or
+the named function's arguments alone); "none" keeps the tools out of the prompt."""
 
 from __future__ import annotations
 
@@ -142,10 +138,6 @@ def _check_choice(choice: str | NamedToolChoice | None, have_tools: bool
     return choice, None  # type: ignore[return-value]
 
 
-# ---------------------------------------------------------------------------------------------
-# Messages
-
-
 def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     """A message as chat templates expect it: tool-call arguments as objects, not JSON text."""
     calls = message.get("tool_calls")
@@ -163,10 +155,6 @@ def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
                 f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
         converted.append({**call, "function": {**function, "arguments": arguments}})
     return {**message, "tool_calls": converted}
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
