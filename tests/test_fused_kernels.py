@@ -176,3 +176,34 @@ def test_linear_parts_of_mixed_types_equal_each_part_alone(variant: str) -> None
     if kernel_variant() == variant:
         want = torch.cat([mod.linear(x[:2], b, q, k) for b, q in parts], 1)
         assert torch.equal(linear_parts(x[:2], [(b, BlockType(q)) for b, q in parts], k), want)
+
+
+@pytest.mark.skipif(not fused.compiled("decoder_layer"), reason="no compiled kernels in this process")
+@pytest.mark.parametrize("arch,weights", [("llama", "hf float32"), ("qwen2", "hf float32"),
+                                          ("qwen3", "gguf, int8 activations"), ("gemma3", "gguf, int8 activations"),
+                                          ("gemma3", "gguf, float32 activations"), ("qwen2", "gguf, int8 activations")])
+def test_one_call_layers_equal_the_modules_bitwise(arch: str, weights: str, tiny_model_dirs, tmp_path) -> None:
+    """kernels.decoder_layer runs a layer's ops in the modules' order: ids and logprobs of prefill and
+    decode steps are bitwise those of the module path (Gemma's four norms, Qwen2's qkv bias, Qwen3's
+    q/k norms, a tied head; the layer's own float weights, block parts on both activation paths)."""
+    from lockstep.testing.gguf_writer import write_gguf
+    from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
+    from lockstep.testing.tiny_models import tiny_hf_model
+
+    path = tiny_model_dirs[arch]
+    if weights.startswith("gguf"):
+        path = write_gguf(tiny_hf_model(arch), arch, tmp_path / "m.gguf", quantize=True)
+    prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62, 63, 64]]
+    out = {}
+    for mode in ("one call", "modules"):
+        sched = make_scheduler(path, max_total_tokens=2048, int8_activations="int8" in weights)
+        model = sched.worker.runner.model
+        model.one_call_args = None
+        run_to_completion(sched, [greedy_req("warm", [1, 2], 1)])  # builds the plans
+        assert all(a is not None for a in model.one_call_args), "every layer should run in one call"
+        if mode == "modules":
+            model.one_call_args = [None] * len(model.one_call_args)
+        res = run_to_completion(sched, [greedy_req(f"r{i}", p, 10, return_logprob=True)
+                                        for i, p in enumerate(prompts)])
+        out[mode] = [(res[f"r{i}"].output_ids, res[f"r{i}"].logprobs) for i in range(len(prompts))]
+    assert out["one call"] == out["modules"]

@@ -83,7 +83,8 @@ def make_prompts(tokenizer: Any, n: int, input_len: int, seed: int) -> list[list
 class LockstepBench:
     def __init__(self, model_path: str | None, dtype: str, max_bs: int, input_len: int,
                  output_len: int, seed: int, quantization: str | None = None,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool | None = None) -> None:
+        from lockstep.layers.block_weight import BlockWeight
         from lockstep.managers.scheduler import create_scheduler
         from lockstep.server_args import ServerArgs
 
@@ -103,7 +104,8 @@ class LockstepBench:
         self.dtype = self.sched.worker.runner.dtype
         # The dtype column says what the weights are: q8_0w = q8_0 blocks, float32 compute.
         self.dtype_label = f"{quantization}w" if quantization else _dtype_name(self.dtype)
-        if int8_activations:
+        if any(isinstance(p, BlockWeight) and p.int8_activations
+               for m in self.sched.worker.runner.model.modules() for p in getattr(m, "parts", None) or []):
             self.dtype_label += "+int8a"  # activations quantized to int8 for the block matmuls
         self.worker_time = 0.0
         worker = self.sched.worker
@@ -238,8 +240,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="Runs per batch size; the best is kept.")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="lockstep's --quantization (HF runs its own dtype regardless).")
-    p.add_argument("--int8-activations", action="store_true",
-                   help="lockstep's --int8-activations (HF runs its own dtype regardless).")
+    p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="lockstep's --int8-activations (default: the server's, on where it "
+                        "applies; HF runs its own dtype regardless).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's).")
     p.add_argument("--result-file", default=None, help="Append one JSON line per result.")

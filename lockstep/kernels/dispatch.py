@@ -49,9 +49,14 @@ class Table:
     add_rms_norm: Kernel
     qk_norm_rope: Kernel
     act_and_mul: Kernel
+    # A whole decoder layer in one call (csrc/layer.cpp), None where nothing is compiled. Its
+    # reference is the model's module path, which runs the ops above one by one in the same order.
+    decoder_layer: Callable[..., Any] | None = None
 
     def compiled(self, op: str) -> bool:
         """True when `op` has a compiled version in this process."""
+        if op == "decoder_layer":
+            return self.decoder_layer is not None
         return getattr(self, op).compiled is not None
 
 
@@ -91,6 +96,7 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
         "add_rms_norm": add_rms_norm,
         "qk_norm_rope": mod.qk_norm_rope,
         "act_and_mul": mod.act_and_mul,
+        "decoder_layer": mod.decoder_layer,
     }
     if variant == "avx2" or not missing_flags("int8_vnni"):
         ops["linear_int8"] = lambda x, b, kind, k: mod.linear_int8(x.contiguous(), b, kind.code, k)
@@ -117,8 +123,8 @@ def build_table(variant: str, mod: ModuleType | None) -> Table:
     """The table of `variant` (its loaded module, None for the torch reference alone)."""
     compiled = _compiled_ops(mod, variant) if mod is not None else {}
     ops = {f.name: Kernel(getattr(ref, f.name), compiled.get(f.name), _TAKES[f.name])
-           for f in fields(Table) if f.name != "variant"}
-    return Table(variant=variant, **ops)
+           for f in fields(Table) if f.name in _TAKES}
+    return Table(variant=variant, decoder_layer=compiled.get("decoder_layer"), **ops)
 
 
 @functools.cache

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -145,3 +146,13 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     if act not in reference.COMPILED_ACTS:
         raise ValueError(f"act_and_mul: {act!r} is not one of {reference.COMPILED_ACTS}")
     return table().act_and_mul(gate_up, act)
+
+
+def decoder_layer(*args: Any) -> torch.Tensor:
+    """A whole decoder layer of the float32 CPU path in one compiled call (csrc/layer.cpp): the ops
+    the model's modules run one by one, in their order, so the same bits. Only where
+    compiled("decoder_layer"); models/llama.py builds the arguments once per layer."""
+    fn = table().decoder_layer
+    if fn is None:
+        raise RuntimeError("decoder_layer: no compiled kernels in this process; run the modules")
+    return fn(*args)

@@ -24,6 +24,7 @@ from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from lockstep.layers.norm import RMSNorm, add_norm
 from lockstep.layers.rotary import RotaryEmbedding
 from lockstep.mem_cache.memory_pool import TokenToKVPool
+from lockstep.models import one_call
 
 # checkpoint name fragment -> (our parameter fragment, shard id for fused parameters)
 STACKED_PARAMS = {
@@ -125,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.pp = pp
+        # per layer: kernels.decoder_layer's constant arguments, or None where its modules run
+        self.one_call_args: list[tuple | None] | None = None
         self.start_layer, self.end_layer = partition_layers(cfg.num_layers, pp.size, pp.rank)
         # A pipeline stage builds only its own layers; the others are empty placeholders so
         # that parameter names keep their checkpoint layer index.
@@ -153,8 +156,11 @@ class LlamaForCausalLM(nn.Module):
         stages return every token's hidden state for the next stage."""
         h = self.embed(fb.input_ids) if self.pp.is_first else hidden_in
         rope = {key: r.cos_sin(fb.positions, h.dtype) for key, r in self.rotary.items()}
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            h = layer(h, fb, pool, rope)
+        layers = self.layers[self.start_layer:self.end_layer]
+        if self.one_call_args is None:  # the first forward, after loading
+            self.one_call_args = [one_call.plan(layer) for layer in layers]
+        for layer, args in zip(layers, self.one_call_args):
+            h = layer(h, fb, pool, rope) if args is None else one_call.forward(layer, args, h, fb, pool, rope)
         return self.norm(h[fb.logits_indices]) if self.pp.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

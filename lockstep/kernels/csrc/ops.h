@@ -1,5 +1,5 @@
 // Every op the extension exports, one source file each (linear.cpp, int8.cpp, attention.cpp, argmax.cpp,
-// fused.cpp, amx_bf16.cpp); register.cpp binds them. Block types arrive as GGML type ids (blocks.h).
+// fused.cpp, layer.cpp, amx_bf16.cpp); register.cpp binds them. Block types arrive as GGML type ids (blocks.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -32,6 +32,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
 void qk_norm_rope(const at::Tensor& qkv, int64_t hq, int64_t hk, int64_t dh, const c10::optional<at::Tensor>& qw,
                   const c10::optional<at::Tensor>& kw, const at::Tensor& cos, const at::Tensor& sin, double eps);
 at::Tensor act_and_mul(const at::Tensor& gate_up, const std::string& act);
+// layer.cpp: a whole decoder layer of the float32 path, the ops above in the modules' order
+at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& norms, double eps,
+                         const std::vector<at::Tensor>& w, const std::vector<int64_t>& type,
+                         const std::vector<int64_t>& int8, const std::vector<int64_t>& count,
+                         const std::vector<int64_t>& k, const c10::optional<at::Tensor>& qkv_bias, int64_t hq,
+                         int64_t hk, int64_t dh, const c10::optional<at::Tensor>& qw,
+                         const c10::optional<at::Tensor>& kw, double qk_eps, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                         const at::Tensor& loc, const at::Tensor& kv_slots, const at::Tensor& starts,
+                         const at::Tensor& lens, double scaling, double softcap, int64_t window,
+                         const std::string& act);
 #ifdef LOCKSTEP_AVX512
 // amx_bf16.cpp: bfloat16 x against bfloat16-rounded blocks on AMX tiles
 at::Tensor linear_amx_bf16(const at::Tensor& xb, const at::Tensor& blocks, int64_t type, int64_t k);

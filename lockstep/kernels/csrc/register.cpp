@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   def(mod, "add_rms_norm", &add_rms_norm);
   def(mod, "qk_norm_rope", &qk_norm_rope);
   def(mod, "act_and_mul", &act_and_mul);
+  def(mod, "decoder_layer", &decoder_layer);
 #ifdef LOCKSTEP_AVX512
   def(mod, "linear_amx_bf16", &linear_amx_bf16);
 #endif
