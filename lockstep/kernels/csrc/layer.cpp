@@ -2,9 +2,9 @@
 // module by module, op for op, with the same kernels in the same order, so the same bits
 // (tests/test_fused_kernels.py holds the two equal on Llama- and Gemma-shaped layers, block and float
 // weights, int8 and exact activations). What it saves is the Python between the kernels: about 300
-// interpreter calls per layer (module calls, dispatch checks, views) around ~10 kernel calls, a third
-// of a one-user decode step on the AVX2 EPYC (docs/benchmarks.md). Tensor-parallel ranks keep the
-// module path: their collectives sit between these ops.
+// interpreter calls per layer (module calls, dispatch checks, views) around ~10 kernel calls: 15% of a
+// one-user decode step's CPU time on the AVX2 EPYC (docs/benchmarks.md). Tensor-parallel ranks keep
+// the module path: their collectives sit between these ops.
 #include <ATen/ATen.h>
 
 #include "ops.h"
