@@ -10,7 +10,7 @@ namespace lockstep {
 // ---------------------------------------------------------------- decode attention over the KV pool
 // One query per request against that request's keys, read in place from the pool by slot (no gather
 // copy). Work item = (request, KV head, chunk of kChunk keys): the query heads sharing the KV head are
-// computed together, so each K and V row is read once. Chunks are cut from the request's own visible
+// computed together, so each K and V row comes from memory once. Chunks are cut from the request's own visible
 // key range, so how a request's numbers are summed depends only on its keys, never on the batch,
 // the thread count or the variant:
 //   score = reduce32 of a 32-lane fma dot product (the linear kernels' lane order), * scaling,
@@ -89,6 +89,39 @@ struct DecodeShape {
   float scaling, softcap;               // softcap 0: off
 };
 
+// acc[h][c .. c + 16 W) = sum_j p[h][j] * v_j[c ..], heads in pairs (then one), keys in increasing order
+template <int W, bool kPair>
+inline void pv_heads(const float* p0, const float* p1, const float* vrow0, int64_t row, const int64_t* slots,
+                     int64_t n, int64_t c, int64_t d, float* o0, float* o1, bool fetch) {
+  V a0[W], a1[W];
+  UNROLL for (int w = 0; w < W; ++w) a0[w] = a1[w] = vzero();
+  for (int64_t j = 0; j < n; ++j) {
+    if (fetch && j + kAhead < n) prefetch_row(vrow0 + slots[j + kAhead] * row, d);
+    const float* v = vrow0 + slots[j] * row + c;
+    const V s0 = vset1(p0[j]);
+    UNROLL for (int w = 0; w < W; ++w) a0[w] = vfma(s0, vload(v + 16 * w), a0[w]);
+    if constexpr (kPair) {
+      const V s1 = vset1(p1[j]);
+      UNROLL for (int w = 0; w < W; ++w) a1[w] = vfma(s1, vload(v + 16 * w), a1[w]);
+    }
+  }
+  UNROLL for (int w = 0; w < W; ++w) vstore(o0 + c + 16 * w, a0[w]);
+  if constexpr (kPair) UNROLL for (int w = 0; w < W; ++w) vstore(o1 + c + 16 * w, a1[w]);
+}
+
+template <int W>
+inline void pv_slice(const DecodeShape& sh, const float* scores, int64_t np, const float* vbuf,
+                     const int64_t* slots, int64_t n, int64_t kvh, int64_t c, float* acc, bool fetch) {
+  const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d;
+  const float* vrow0 = vbuf + kvh * d;
+  int64_t h = 0;
+  for (; h + 2 <= g; h += 2)
+    pv_heads<W, true>(scores + h * np, scores + (h + 1) * np, vrow0, row, slots, n, c, d, acc + h * d,
+                      acc + (h + 1) * d, fetch && h == 0);
+  if (h < g) pv_heads<W, false>(scores + h * np, nullptr, vrow0, row, slots, n, c, d, acc + h * d, nullptr,
+                                fetch && h == 0);
+}
+
 // One work item: keys kv_slots[first .. first + n) (n <= kChunk) for query heads [g0, g0 + group) of KV
 // head `kvh`. Writes m[h], l[h] and acc[h][dim] (unnormalized) for each head of the group.
 void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, const float* vbuf,
@@ -126,17 +159,14 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
     m[h] = mx;
     l[h] = sum8(sum);
   }
-  // acc[h] = sum_j e[h][j] * v_j, keys in increasing order; each V row is read once (acc stays in L1)
-  for (int64_t x = 0; x < g * d; x += 16) vstore(acc + x, vzero());
-  for (int64_t j = 0; j < n; ++j) {
-    if (j + kAhead < n) prefetch_row(vbuf + slots[j + kAhead] * row + kvh * d, d);
-    const float* v = vbuf + slots[j] * row + kvh * d;
-    for (int64_t h = 0; h < g; ++h) {
-      const V p = vset1(scores[h * np + j]);
-      float* o = acc + h * d;
-      for (int64_t c = 0; c < d; c += 16) vstore(o + c, vfma(p, vload(v + c), vload(o + c)));
-    }
-  }
+  // acc[h] = sum_j e[h][j] * v_j, keys in increasing order, one fma per key and element. Elements go in
+  // slices of 32 (and heads in pairs) whose sums stay in registers over all the chunk's keys: the same
+  // fmas in the same order per element as a pass per key over whole rows, without storing every
+  // element's sum back per key (which bound prefill's attention). The first slice's pass fetches each
+  // V row ahead; the later slices find it in L1/L2 (a chunk's rows: at most kChunk x Hkv x D floats).
+  int64_t c = 0;
+  for (; c + 32 <= d; c += 32) pv_slice<2>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
+  if (c < d) pv_slice<1>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
 }
 
 // q [R, H, D]; k/v buffers [S, Hkv, D]; request r reads slots kv_slots[start[r] .. start[r] + len[r]),
