@@ -90,6 +90,27 @@ def test_linear_int8_is_the_reference_bitwise_and_batch_invariant(variant: str, 
 
 
 @pytest.mark.parametrize("variant", int8_variant_params())
+@pytest.mark.parametrize("qtype", INT8_QTYPES)
+def test_extreme_quants_sum_exactly(variant: str, qtype: str) -> None:
+    """Every weight quant at its largest magnitude and every x quant at +-127: the integer sums the
+    AVX2 path adds up in int16 before widening (blocks.h, kI16Group) must not overflow."""
+    from lockstep.kernels import GGML_BLOCKS
+    from lockstep.testing.kernels import HALF_FIELDS
+
+    per, nbytes = GGML_BLOCKS[qtype]
+    k = 512
+    b = torch.full((24 * k // per, nbytes), 0x80 if qtype == "Q8_0" else 0xFF, dtype=torch.uint8)
+    off, count = HALF_FIELDS[qtype]
+    b[:, off:off + 2 * count] = torch.full((b.shape[0], count), 0.01, dtype=torch.float16).view(torch.uint8)
+    blocks = b.reshape(24, -1)
+    x = torch.ones(17, k) * 3.0
+    x[1::2] *= -1
+    for m in (1, 5, 17):  # W blocks as stored, and the x-in-lanes panels
+        assert torch.equal(compiled(variant).linear_int8(x[:m].contiguous(), blocks, qtype, k),
+                           linear_int8_reference(x[:m].contiguous(), blocks, qtype, k)), m
+
+
+@pytest.mark.parametrize("variant", int8_variant_params())
 def test_panels_and_strided_shards(variant: str) -> None:
     """More rows than one panel (the last one partial), K past one panel's budget, more x rows than one
     pass, and a row-parallel shard (a column slice of whole blocks) served without a copy."""

@@ -243,9 +243,12 @@ struct I8Simple {
   }
 };
 
+// kI16Group (AVX2): how many of maddubs' int16 outputs (pairs w0 x0 + w1 x1, |x| <= 127) add up in
+// int16 without overflow: 32767 / (2 * 127 * max |w|), rounded down to a divisor of 8 (4 for a Q6_K half)
 template <>
 struct I8<Q8_0> : I8Simple<kQ8Signed ? 0 : 128> {
   static constexpr bool kSignedW = kQ8Signed;
+  static constexpr int kI16Group = 1;  // |w| <= 128
   static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
     const uint8_t* p = row + 34 * b;
     mt = {half_at(p), 0.0f, 0, 0};
@@ -258,6 +261,7 @@ struct I8<Q8_0> : I8Simple<kQ8Signed ? 0 : 128> {
 template <>
 struct I8<Q4_0> : I8Simple<8> {
   static constexpr bool kSignedW = false;
+  static constexpr int kI16Group = 8;  // w <= 15: 8 x 3810
   static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
     const uint8_t* p = row + 18 * b;
     mt = {half_at(p), 0.0f, 0, 0};
@@ -268,6 +272,7 @@ struct I8<Q4_0> : I8Simple<8> {
 template <>
 struct I8<Q5_0> : I8Simple<16> {
   static constexpr bool kSignedW = false;
+  static constexpr int kI16Group = 4;  // w <= 31: 4 x 7874
   static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
     const uint8_t* p = row + 22 * b;
     mt = {half_at(p), 0.0f, 0, 0};
@@ -281,6 +286,7 @@ template <>
 struct I8<Q4_K> {
   static constexpr bool kSplit = false;
   static constexpr bool kSignedW = false;
+  static constexpr int kI16Group = 8;  // w <= 15
   static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
     const uint8_t* p = row + 144 * (b >> 3);
     const int j = static_cast<int>(b & 7);
@@ -309,6 +315,7 @@ template <>
 struct I8<Q6_K> {
   static constexpr bool kSplit = true;  // two integer sums per block: a scale per 16 elements
   static constexpr bool kSignedW = false;
+  static constexpr int kI16Group = 2;  // w <= 63: 2 x 16002
   static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
     const uint8_t* p = row + 210 * (b >> 3);
     const int j = static_cast<int>(b & 7), h = j >> 2, g = j & 3;

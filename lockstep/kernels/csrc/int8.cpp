@@ -119,6 +119,7 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
     // two chains per integer sum (even and odd k4: exact integers, so the split changes nothing)
     IV r[NT][2 * S];
     UNROLL for (int j = 0; j < NT; ++j) UNROLL for (int s = 0; s < 2 * S; ++s) r[j][s] = izero();
+#ifdef LOCKSTEP_AVX512
     UNROLL for (int k4 = 0; k4 < 8; ++k4) {
       const IV x = iload(xq + 64 * k4);
       UNROLL for (int j = 0; j < NT; ++j) {
@@ -127,6 +128,35 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
         dot4<Q::kSignedW>(r[j][2 * (k4 * S / 8) + (k4 & 1)], iset1(w), x);
       }
     }
+#else
+    // maddubs' int16 pair sums of kI16Group slices are added in int16 before one madd widens them:
+    // half the multiplier port's work or less for the 4-, 5- and 6-bit types (the bound per type keeps
+    // every int16 sum exact: blocks.h, kI16Group), so the integers and the bits are the same
+    constexpr int G = Q::kI16Group;
+    __m256i t[NT][2];
+    UNROLL for (int k4 = 0; k4 < 8; ++k4) {
+      const IV x = iload(xq + 64 * k4);
+      UNROLL for (int j = 0; j < NT; ++j) {
+        int32_t w32;
+        std::memcpy(&w32, wq + j * k + 32 * b + 4 * k4, 4);
+        const __m256i w = _mm256_set1_epi32(w32);
+        __m256i p[2];
+        if constexpr (Q::kSignedW) {
+          p[0] = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x.lo, w));
+          p[1] = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x.hi, w));
+        } else {
+          p[0] = _mm256_maddubs_epi16(w, x.lo);
+          p[1] = _mm256_maddubs_epi16(w, x.hi);
+        }
+        UNROLL for (int e = 0; e < 2; ++e) t[j][e] = k4 % G == 0 ? p[e] : _mm256_add_epi16(t[j][e], p[e]);
+        if (k4 % G == G - 1) {
+          IV& rr = r[j][2 * (k4 * S / 8) + ((k4 / G) & 1)];
+          rr.lo = _mm256_add_epi32(rr.lo, _mm256_madd_epi16(t[j][0], _mm256_set1_epi16(1)));
+          rr.hi = _mm256_add_epi32(rr.hi, _mm256_madd_epi16(t[j][1], _mm256_set1_epi16(1)));
+        }
+      }
+    }
+#endif
     const XSums xs = Q::xsums(iload(&xp.bs[at * 32]), iload(&xp.bs[at * 32 + 16]));
     const V dx = vload(&xp.d[at * kXLanes]);
     UNROLL for (int j = 0; j < NT; ++j) {
