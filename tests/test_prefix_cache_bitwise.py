@@ -10,17 +10,13 @@ import random
 import pytest
 
 from lockstep.testing.corpus import random_prompt
-from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
+from lockstep.testing.inproc import default_tokenizer, greedy_req, make_scheduler, run_to_completion
 
 pytestmark = pytest.mark.real_model
 
 
 def _prompts(n: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from lockstep.model_loader import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
+    tok = default_tokenizer()
     rng = random.Random(7)
     return [tok(random_prompt(rng, rng.randint(40, 70))).input_ids for _ in range(n)]
 

@@ -111,12 +111,10 @@ def test_features_behave_as_without_speculation(case: str, pairs) -> None:
 @pytest.mark.real_model
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 9}], ids=["greedy", "seeded"])
 def test_the_real_model_copies_faster_with_the_same_bits(sampling: dict) -> None:
-    from transformers import AutoTokenizer
-
-    from lockstep.model_loader import resolve_model
     from lockstep.testing.corpus import _ENGLISH
+    from lockstep.testing.inproc import default_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
+    tok = default_tokenizer()
     passage = " ".join(_ENGLISH.splitlines()[3:8])
     ids = tok(f"<start_of_turn>user\nRepeat this text exactly:\n\n{passage}<end_of_turn>\n"
               "<start_of_turn>model\n").input_ids

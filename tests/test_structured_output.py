@@ -265,11 +265,9 @@ def _constrained_reqs(tok) -> list:
 
 
 def test_scheduler_modes_agree(tmp_path):
-    from transformers import AutoTokenizer
+    from lockstep.testing.inproc import default_tokenizer
 
-    from lockstep.model_loader import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
+    tok = default_tokenizer()
     runs = {}
     for name, kw in {
         "plain": {"disable_radix_cache": True},
