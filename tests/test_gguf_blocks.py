@@ -146,11 +146,10 @@ def default_prompts() -> list[list[int]]:
     """32 prompts of 3 to ~90 tokens in the default model's tokenizer."""
     import random
 
-    from transformers import AutoTokenizer
-
     from lockstep.testing.corpus import random_prompt
+    from lockstep.testing.inproc import default_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(None).model_dir)
+    tok = default_tokenizer()
     rng = random.Random(4)
     return [tok(random_prompt(rng, rng.randint(2, 60))).input_ids for _ in range(32)]
 

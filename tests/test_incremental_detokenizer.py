@@ -82,11 +82,9 @@ def test_an_incomplete_trailing_char_is_never_released():
 def gemma_tokenizer():
     """The default model's tokenizer as lockstep converts it (test_loader holds it equal to
     transformers' own reading of the GGUF, which takes ~40 s to build)."""
-    from transformers import AutoTokenizer
+    from lockstep.testing.inproc import default_tokenizer
 
-    from lockstep.model_loader import resolve_model
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
+    return default_tokenizer()
 
 
 def _random_ids(rng: random.Random, tokenizer, n: int) -> list[int]:

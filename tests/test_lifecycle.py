@@ -67,28 +67,6 @@ def test_sigkill_of_a_child_ends_the_server_nonzero_with_nothing_left(model_dir,
         server.stop()
 
 
-def test_sigint_leaves_no_process(model_dir, tmp_path):
-    server = LiveServer("--model-path", model_dir, "--tp-size", "2", log_dir=tmp_path)
-    try:
-        _gen(server.url, "hello")
-        server.proc.send_signal(signal.SIGINT)
-        server.proc.wait(timeout=10)
-        assert _gone(server.child_pids + [server.proc.pid], 10)
-    finally:
-        server.stop()
-
-
-def test_front_process_sigkill_takes_children_with_it(model_dir, tmp_path):
-    server = LiveServer("--model-path", model_dir, log_dir=tmp_path)
-    try:
-        assert len(server.child_pids) >= 2
-        server.proc.send_signal(signal.SIGKILL)
-        server.proc.wait(timeout=10)
-        assert _gone(server.child_pids, 10), "children outlived a SIGKILLed front process"
-    finally:
-        server.stop()
-
-
 def test_bad_model_path_fails_the_launch_clearly(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "lockstep.launch_server", "--model-path",
@@ -100,22 +78,34 @@ def test_bad_model_path_fails_the_launch_clearly(tmp_path):
     assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_two_servers_at_once_both_work(model_dir, tmp_path):
+def test_two_servers_at_once_both_work_and_front_sigkill_takes_children_with_it(model_dir, tmp_path):
     servers = [LiveServer("--model-path", model_dir, log_dir=tmp_path, wait=False) for _ in range(2)]
     try:
         for s in servers:
             s.wait_ready()
         outs = [_gen(s.url, "two servers") for s in servers]
         assert outs[0]["output_ids"] == outs[1]["output_ids"]
+        # Then one of them (no server of its own any more): a SIGKILLed front process takes its
+        # children with it.
+        server = servers[1]
+        assert len(server.child_pids) >= 2
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        assert _gone(server.child_pids, 10), "children outlived a SIGKILLed front process"
     finally:
         for s in servers:
             s.stop()
 
 
-def test_multi_node_tp2_on_one_machine_matches_single_node(model_dir, tmp_path):
+def test_sigint_leaves_no_process_and_multi_node_tp2_matches_single_node(model_dir, tmp_path):
+    # One single-node TP 2 server for two checks: it answers the reference output, then SIGINT
+    # (Ctrl-C) must end it and every child.
     single = LiveServer("--model-path", model_dir, "--tp-size", "2", log_dir=tmp_path)
     try:
         expected = _gen(single.url, "across two nodes")["output_ids"]
+        single.proc.send_signal(signal.SIGINT)
+        single.proc.wait(timeout=10)
+        assert _gone(single.child_pids + [single.proc.pid], 10)
     finally:
         single.stop()
     addr = f"127.0.0.1:{free_port()}"

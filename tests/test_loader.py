@@ -35,6 +35,7 @@ from lockstep.model_loader.layout import TENSOR_INDEX
 from lockstep.model_loader.source import CONVERSION_MARKER
 from lockstep.testing.gguf_writer import GGUF_ARCH, write_gguf
 from lockstep.testing.hf_weights import float_state_dict, hf_float_model
+from lockstep.testing.oracle import gguf_parsed_once, transformers_gguf_tokenizer
 from lockstep.testing.tiny_models import tiny_hf_model
 
 SOURCE_LOGGER = "lockstep.model_loader.source"
@@ -366,22 +367,12 @@ def default_source() -> ModelSource:
 def oracle(default_source):
     """transformers' own GGUF path on the same file: the model and the tokenizer."""
     gguf_path = Path(default_source.origin)
-    real_reader, readers = gguf.GGUFReader, {}
-
-    def shared_reader(path, mode="r"):
-        # Parsing this GGUF's 262k-entry vocabulary takes gguf ~20 s, and transformers parses it
-        # once per call; sharing the (read-only) reader changes nothing but the time.
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = real_reader(path, mode)
-        return readers[key]
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(gguf, "GGUFReader", shared_reader)
+    with gguf_parsed_once():  # the model and the tokenizer parse the GGUF once between them
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        # shared with tests/test_stop_matching.py (built once per process)
+        tok = transformers_gguf_tokenizer(str(gguf_path))
     return model.eval(), tok
 
 

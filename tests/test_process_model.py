@@ -33,10 +33,12 @@ def test_tp_sizes_give_identical_greedy_outputs_and_process_tree(arch, tiny_mode
     prompts = tiny_prompts(model_dir, 6, seed=11, max_words=40)
     expected = _reference(model_dir, prompts)
     me = psutil.Process()
+    param_bytes = {}  # tp -> each rank's parameter bytes by kind
     # tp 1 through real processes once (llama); the in-process reference covers tp 1 for all.
     for tp in ((1, 2, 4) if arch == "llama" else (2, 4)):
         launched = _launch(model_dir, tp, enable_lockstep_check=2)
         try:
+            param_bytes[tp] = [r["param_bytes"] for r in launched.info["ranks"]]
             # front (this process) + tp schedulers + detokenizer
             kids = {p.pid for p in me.children(recursive=False)}
             assert {p.pid for p in launched.children} <= kids
@@ -49,17 +51,13 @@ def test_tp_sizes_give_identical_greedy_outputs_and_process_tree(arch, tiny_mode
             launched.shutdown()
         assert not any(psutil.pid_exists(p.pid) and psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE
                        for p in launched.children)
+    if arch == "llama":
+        # The llama case's tp 1 and tp 2 launches double as the check that each rank holds its
+        # share of the parallel weights (they once started two more servers of their own).
+        check_each_rank_holds_its_share_of_parallel_weights(param_bytes)
 
 
-def test_each_rank_holds_its_share_of_parallel_weights(tiny_model_dirs):
-    model_dir = tiny_model_dirs["llama"]
-    sizes = {}
-    for tp in (1, 2):
-        launched = _launch(model_dir, tp)
-        try:
-            sizes[tp] = [r["param_bytes"] for r in launched.info["ranks"]]
-        finally:
-            launched.shutdown()
+def check_each_rank_holds_its_share_of_parallel_weights(sizes: dict[int, list[dict]]) -> None:
     parallel = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
     for kind in parallel:
         full = sizes[1][0][kind]

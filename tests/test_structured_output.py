@@ -265,11 +265,9 @@ def _constrained_reqs(tok) -> list:
 
 
 def test_scheduler_modes_agree(tmp_path):
-    from transformers import AutoTokenizer
+    from lockstep.testing.inproc import default_tokenizer
 
-    from lockstep.model_loader import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
+    tok = default_tokenizer()
     runs = {}
     for name, kw in {
         "plain": {"disable_radix_cache": True},
@@ -278,7 +276,9 @@ def test_scheduler_modes_agree(tmp_path):
         "retract": {"max_total_tokens": 100, "new_token_ratio": 0.05},
         "chunked": {"chunked_prefill_size": 8},  # splits every prompt
     }.items():
-        sched = make_scheduler(None, **kw)
+        # 4096 tokens hold these requests many times over; the size follows from free memory
+        # otherwise, and zeroing gigabytes of KV pool took seconds per scheduler.
+        sched = make_scheduler(None, **{"max_total_tokens": 4096, **kw})
         runs[name] = run_to_completion(sched, _constrained_reqs(tok))
         if name == "retract":
             assert sched.stats.retractions > 0

@@ -6,9 +6,14 @@ sliding windows and soft-capping are applied exactly as the reference implementa
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +60,55 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.
 
 def clear_oracle_cache() -> None:
     _MODELS.clear()
+
+
+_GGUF_READERS: dict[tuple[str, str], Any] | None = None  # while gguf_parsed_once() is active
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within: `gguf.GGUFReader` parses each file once and hands the same (read-only) reader to
+    every later call. transformers parses the GGUF on each `from_pretrained(gguf_file=...)`, and
+    the default model's 262k-entry vocabulary takes gguf ~20 s; sharing the reader changes
+    nothing but the time. Re-entrant: a nested use shares the outer one's readers."""
+    global _GGUF_READERS
+    if _GGUF_READERS is not None:
+        yield
+        return
+    import gguf
+    import pytest
+
+    real_reader, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    _GGUF_READERS = readers
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(gguf, "GGUFReader", shared_reader)
+            yield
+    finally:
+        _GGUF_READERS = None
+
+
+def transformers_gguf_tokenizer(gguf_path: str | Path) -> Any:
+    """transformers' own tokenizer of a GGUF (`from_pretrained(gguf_file=...)`: its converter
+    reading the GGUF's vocabulary, not lockstep's), built once per process: it is read-only, and
+    for the default model it takes tens of seconds to build."""
+    return _transformers_gguf_tokenizer(os.path.realpath(gguf_path))
+
+
+@functools.cache
+def _transformers_gguf_tokenizer(gguf_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                             gguf_file=os.path.basename(gguf_path))
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
