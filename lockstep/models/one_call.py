@@ -51,8 +51,8 @@ def plan(layer: nn.Module) -> tuple[Any, ...] | None:
     if any(x is None for x in linears):
         return None
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm] if layer.gemma_norms else []
-    pa = attn.attn
+    if layer.gemma_norms:
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
     return ([n.scale for n in norms], norms[0].eps,
             [w for ws, _, _ in linears for w in ws], [t for _, ts, _ in linears for t in ts],
             [i for _, _, i8 in linears for i in i8], [len(ws) for ws, _, _ in linears],

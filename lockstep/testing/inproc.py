@@ -145,8 +145,8 @@ def generate_through(launched: Any, prompts: list[list[int]], max_new: int,
     async def one(prompt: list[int]) -> Any:
         req = GenerateReqInput(input_ids=prompt, return_logprob=return_logprob, sampling_params={
             "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
-        async for out in tm.generate(req):
-            pass
+        async for o in tm.generate(req):
+            out = o
         if return_logprob:
             return out.output_ids, [lp.logprob for lp in out.output_token_logprobs or []]
         return out.output_ids
