@@ -248,7 +248,6 @@ class Engine:
         self._launched.watch(self._on_child_death)
         atexit.register(self.shutdown)
 
-    # ---- plumbing ------------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         if self._closed or self._dead:
             coro.close()
@@ -298,7 +297,6 @@ class Engine:
         outs = [sglang_output(f) for f in await run_to_completion(tm, singles, None)]
         return outs if many else outs[0]
 
-    # ---- API -----------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,

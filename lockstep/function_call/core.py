@@ -76,7 +76,6 @@ class ToolCallParser(ABC):
         self._mode = "start"  # the subclass's state: "content", "block", "discard", ...
         self._block_start = self._marker_len = 0  # where that call's marker began, its length
 
-    # ---- public --------------------------------------------------------------------------
     def feed(self, text: str) -> StreamDelta:
         if self._finished:
             raise RuntimeError("feed() after finish()")
@@ -112,7 +111,6 @@ class ToolCallParser(ABC):
         """A call announced to the stream whose markup then broke (or was cut off)."""
         return self._malformed
 
-    # ---- for subclasses ------------------------------------------------------------------
     @abstractmethod
     def _step(self, final: bool) -> bool:
         """Consume what can be consumed from `_buf[_pos:]`; False when more text is needed
@@ -212,7 +210,6 @@ class ToolCallParser(ABC):
             self._mode = "content"
         return True
 
-    # ---- internals -----------------------------------------------------------------------
     def _take(self) -> StreamDelta:
         out, self._out = self._out, StreamDelta()
         return out

@@ -68,10 +68,6 @@ def finish_of(item: GenerateOutput) -> tuple[str | None, int | str | None]:
     return (reason.type, getattr(reason, "matched", None)) if reason is not None else (None, None)
 
 
-def _token_bytes(text: str | None) -> list[int]:
-    return list((text or "").encode("utf-8", errors="replace"))
-
-
 Entries = list[TokenLogprob]
 Tops = list[list[TokenLogprob] | None]
 
@@ -115,14 +111,15 @@ def completion_logprobs(entries: Entries, tops: Tops, top_n: int, offset: int = 
     return lp
 
 
+def _chat_token(t: TokenLogprob) -> dict[str, Any]:
+    text = t.text or ""
+    return {"token": text, "logprob": t.logprob, "bytes": list(text.encode(errors="replace"))}
+
+
 def chat_logprobs(entries: Entries, tops: Tops) -> ChatChoiceLogprobs:
-    content = []
-    for entry, top in zip(entries, tops):
-        content.append(ChatTokenLogprob(
-            token=entry.text or "", logprob=entry.logprob, bytes=_token_bytes(entry.text),
-            top_logprobs=[TopLogprob(token=t.text or "", logprob=t.logprob,
-                                     bytes=_token_bytes(t.text)) for t in (top or [])]))
-    return ChatChoiceLogprobs(content=content)
+    return ChatChoiceLogprobs(content=[ChatTokenLogprob(
+        **_chat_token(e), top_logprobs=[TopLogprob(**_chat_token(t)) for t in top or []])
+        for e, top in zip(entries, tops)])
 
 
 class OpenAIServing:
@@ -142,8 +139,6 @@ class OpenAIServing:
         self.tool_call_parser = (args.tool_call_parser
                                  or default_parser_name(model_type, architectures))
         self.reasoning = reasoning_format(args.reasoning_parser) if args.reasoning_parser else None
-
-    # ---- models and templates ---------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
@@ -198,7 +193,6 @@ class OpenAIServing:
         inside = not json_output and fmt.starts_inside(req.chat_template_kwargs, prompt)
         return [ReasoningParser(fmt, inside, req.stream_reasoning) for _ in range(n)]
 
-    # ---- /v1/completions --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
         prompts = req.prompts()
@@ -236,7 +230,6 @@ class OpenAIServing:
             req, request, singles, "cmpl", CompletionResponse, CompletionStreamResponse,
             lambda index, item: choice(index, item, item.text, _LogprobCursor()), step)
 
-    # ---- /v1/chat/completions ---------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
         plan = self.tool_plan(req)
@@ -300,7 +293,6 @@ class OpenAIServing:
         return await self._respond(req, request, singles, "chatcmpl", ChatCompletionResponse,
                                    ChatCompletionStreamResponse, whole, step)
 
-    # ---- both -------------------------------------------------------------------------
     async def _respond(self, req: CompletionRequest | ChatCompletionRequest,
                        request: Request | None, singles: list[TokenizedGenerateReq], kind: str,
                        response: type[Any], chunk: type[Any],
