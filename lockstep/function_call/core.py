@@ -49,10 +49,8 @@ class ParseResult:
 
 def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest proper prefix of `marker` that `text` ends with."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1)
+                 if text.endswith(marker[:k])), 0)
 
 
 class ToolCallParser(ABC):
@@ -149,8 +147,7 @@ class ToolCallParser(ABC):
     def _end_call(self, ok: bool) -> None:
         self._open_call = False
         self._after_call = True
-        if not ok:
-            self._malformed = True
+        self._malformed = self._malformed or not ok
 
     def _open_json_call(self, at: int, marker_len: int = 0) -> None:
         """Start reading a {"name": ..., "arguments": ...} object after a marker (a tag, or

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -99,16 +100,13 @@ class _LogprobCursor:
 
 def completion_logprobs(entries: Entries, tops: Tops, top_n: int, offset: int = 0
                         ) -> CompletionLogprobs:
-    lp = CompletionLogprobs()
-    for entry, top in zip(entries, tops):
-        text = entry.text or ""
-        lp.tokens.append(text)
-        lp.token_logprobs.append(entry.logprob)
-        lp.top_logprobs.append(
-            {t.text or "": t.logprob for t in top} if top_n and top else None)
-        lp.text_offset.append(offset)
-        offset += len(text)
-    return lp
+    pairs = list(zip(entries, tops))
+    texts = [entry.text or "" for entry, _ in pairs]
+    return CompletionLogprobs(
+        tokens=texts, token_logprobs=[entry.logprob for entry, _ in pairs],
+        top_logprobs=[{t.text or "": t.logprob for t in top} if top_n and top else None
+                      for _, top in pairs],
+        text_offset=list(accumulate(map(len, texts), initial=offset))[:-1])
 
 
 def _chat_token(t: TokenLogprob) -> dict[str, Any]:

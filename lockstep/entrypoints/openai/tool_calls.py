@@ -190,12 +190,9 @@ class ToolCallStream:
         return self._shape(self.parser.finish())
 
     def _shape(self, delta: StreamDelta) -> tuple[str, list[DeltaToolCall]]:
-        out = []
-        for c in delta.calls:
-            if self.limit is not None and c.index >= self.limit:
-                continue  # parallel_tool_calls false: only the first call counts
-            self.has_calls = True
-            out.append(DeltaToolCall(
-                index=c.index, id=c.id, type="function" if c.id is not None else None,
-                function=DeltaFunctionCall(name=c.name, arguments=c.arguments)))
+        out = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id is not None else None,
+                             function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+               for c in delta.calls  # parallel_tool_calls false: only the first call counts
+               if self.limit is None or c.index < self.limit]
+        self.has_calls = self.has_calls or bool(out)
         return delta.content, out
