@@ -202,9 +202,7 @@ class RadixCache:
         locked = [n for n in self._nodes() if n.lock_ref > 0]
         if locked:
             raise RuntimeError(f"cannot reset the radix cache: {len(locked)} node(s) locked")
-        slots = self.all_slot_indices()
-        if slots.numel():
-            self.allocator.free(slots)
+        self.allocator.free(self.all_slot_indices())  # a no-op when empty
         self._reset_state()
 
     def pretty_print(self) -> str:

@@ -167,12 +167,9 @@ def build_config(meta: _Metadata, tensors: dict[str, ReaderTensor]) -> Any:
     common: dict[str, Any] = {
         "architectures": [_HF_ARCHITECTURES[arch]],
         "vocab_size": int(embed.shape[-1]),  # ggml lists dims fastest-first: [hidden, vocab]
-        "hidden_size": hidden,
-        "intermediate_size": int(meta.require("feed_forward_length")),
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(n_kv),
-        "head_dim": head_dim,
+        "hidden_size": hidden, "intermediate_size": int(meta.require("feed_forward_length")),
+        "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv), "head_dim": head_dim,
         "max_position_embeddings": int(meta.require("context_length")),
         "rms_norm_eps": _f32(meta.require("attention.layer_norm_rms_epsilon")),
         # llama.cpp drops output.weight when it is the embedding matrix.
