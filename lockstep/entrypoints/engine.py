@@ -161,9 +161,7 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
     except BaseException:
         launched.shutdown()
         raise
-    info = dict(infos[0])
-    info["ranks"] = [i for i in infos if "tp_rank" in i]
-    launched.info = info
+    info = launched.info = {**infos[0], "ranks": [i for i in infos if "tp_rank" in i]}
     if args.node_rank == 0:
         tokenizer = load_tokenizer(args)
         vocab = ModelConfig.from_hf(source.hf_config).vocab_size

@@ -242,9 +242,7 @@ class OpenAIServing:
                                           len(singles))
 
         def whole(index: int, item: GenerateOutput) -> ChatCompletionChoice:
-            lp = None
-            if req.logprobs:
-                lp = chat_logprobs(*_LogprobCursor().take(item, with_prompt=False))
+            lp = chat_logprobs(*_LogprobCursor().take(item, False)) if req.logprobs else None
             finish, matched = finish_of(item)
             think = thinking[index]
             reasoning, text = think.parse(item.text) if think is not None else (None, item.text)
@@ -259,34 +257,29 @@ class OpenAIServing:
         started = [False] * len(singles)
 
         def step(index: int, item: GenerateOutput) -> Iterator[ChatCompletionStreamChoice]:
+            piece = partial(ChatCompletionStreamChoice, index=index)
             if not started[index]:
                 started[index] = True
-                yield ChatCompletionStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content=""))
-            lp = None
-            if req.logprobs:
-                lp = chat_logprobs(*cursors[index].take(item, with_prompt=False))
+                yield piece(delta=DeltaMessage(role="assistant", content=""))
+            lp = chat_logprobs(*cursors[index].take(item, False)) if req.logprobs else None
             text, calls = item.text_delta, []
             finish, matched = finish_of(item)
             think = thinking[index]
             if think is not None:  # the parser holds back what may be a marker
                 reasoning, text = _feed(think, text, finish is not None)
                 if reasoning:
-                    yield ChatCompletionStreamChoice(
-                        index=index, delta=DeltaMessage(reasoning_content=reasoning))
+                    yield piece(delta=DeltaMessage(reasoning_content=reasoning))
             stream = tools[index]
             if stream is not None:  # the parser holds back what may be call markup
                 text, calls = _feed(stream, text, finish is not None)
                 if finish is not None:
                     finish = finish_reason(finish, stream.has_calls)
             if text or (lp and lp.content):
-                yield ChatCompletionStreamChoice(
-                    index=index, delta=DeltaMessage(content=text), logprobs=lp)
+                yield piece(delta=DeltaMessage(content=text), logprobs=lp)
             if calls:
-                yield ChatCompletionStreamChoice(index=index, delta=DeltaMessage(tool_calls=calls))
+                yield piece(delta=DeltaMessage(tool_calls=calls))
             if finish is not None:
-                yield ChatCompletionStreamChoice(index=index, delta=DeltaMessage(),
-                                                 finish_reason=finish, matched_stop=matched)
+                yield piece(delta=DeltaMessage(), finish_reason=finish, matched_stop=matched)
 
         return await self._respond(req, request, singles, "chatcmpl", ChatCompletionResponse,
                                    ChatCompletionStreamResponse, whole, step)
