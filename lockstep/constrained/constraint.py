@@ -128,8 +128,7 @@ def validate_constraint(c: Constraint) -> None:
 @functools.lru_cache(maxsize=256)
 def _grammar_error(c: Constraint) -> str | None:
     grammar = c.grammar()
-    error = llguidance.LLMatcher.validate_grammar(grammar, limits=GRAMMAR_LIMITS)
-    if error:
+    if error := llguidance.LLMatcher.validate_grammar(grammar, limits=GRAMMAR_LIMITS):
         return f"invalid {c.kind}: {_one_line(error)}"
     return _probe(c.kind, grammar)
 

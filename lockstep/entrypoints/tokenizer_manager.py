@@ -279,8 +279,7 @@ class TokenizerManager:
                 return
             if isinstance(msg, BatchStrOut):
                 for out in msg.outputs:
-                    state = self.states.get(out.rid)
-                    if state is not None:
+                    if (state := self.states.get(out.rid)) is not None:
                         state.queue.put_nowait(out)
             elif isinstance(msg, FlushCacheOut):
                 if self.control_waiters:

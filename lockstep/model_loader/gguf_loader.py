@@ -85,8 +85,7 @@ class _Metadata:
         self.arch: str = arch
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
+        if (field := self._reader.fields.get(key)) is None:
             return default
         try:
             return field.contents()
@@ -97,8 +96,7 @@ class _Metadata:
         return self.get(f"{self.arch}.{key}", default)
 
     def require(self, key: str) -> Any:
-        value = self.arch_get(key)
-        if value is None:
+        if (value := self.arch_get(key)) is None:
             raise ModelLoadError(f"{self.path}: metadata {self.arch}.{key} is missing")
         return value
 
@@ -151,8 +149,7 @@ def build_config(meta: _Metadata, tensors: dict[str, ReaderTensor]) -> Any:
     from transformers import AutoConfig
 
     arch = meta.arch
-    embed = tensors.get("token_embd.weight")
-    if embed is None:
+    if (embed := tensors.get("token_embd.weight")) is None:
         raise ModelLoadError(f"{meta.path}: no token_embd.weight tensor")
     hidden = int(meta.require("embedding_length"))
     n_layers = int(meta.require("block_count"))
@@ -228,8 +225,7 @@ def _tensor_index(reader: GGUFReader, meta: _Metadata, config: Any) -> dict[str,
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # folded into rope_parameters by build_config
             continue
-        hf_name = hf_tensor_name(arch, t.name)
-        if hf_name is None:
+        if (hf_name := hf_tensor_name(arch, t.name)) is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {arch} model")
         transform: list[Any] | None = None
         if arch == "gemma3" and t.name.endswith("norm.weight"):
@@ -260,8 +256,7 @@ def _check_shapes(index: dict[str, dict[str, Any]], config: Any, gguf_path: Path
         if want is None or tuple(entry["shape"]) != want:
             raise ModelLoadError(f"{gguf_path}: tensor {name} has shape "
                                  f"{tuple(entry['shape'])}, the model expects {want}")
-    missing = sorted(set(expected) - set(index))
-    if missing:
+    if missing := sorted(set(expected) - set(index)):
         raise ModelLoadError(f"{gguf_path}: missing tensors {missing[:5]} ({len(missing)} in all)")
 
 

@@ -258,8 +258,7 @@ class Router:
                                                 headers=out_headers)
                 return failure
             if resp.content_type == "text/event-stream":
-                first = await resp.content.readany()
-                if not first:
+                if not (first := await resp.content.readany()):
                     return _Failure(f"{worker.url} ended the stream before any event")
                 handed_off = True
                 return RelayResponse(self, worker, resp, first, {**out_headers, **SSE_HEADERS})

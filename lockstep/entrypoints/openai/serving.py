@@ -166,8 +166,7 @@ class OpenAIServing:
                 "start the server with --chat-template NAME|FILE or use /v1/completions")
         tok = self.tm.tokenizer
         kwargs = req.chat_template_kwargs or {}
-        clash = sorted(renderer_arguments(tok) & set(kwargs))
-        if clash:
+        if clash := sorted(renderer_arguments(tok) & set(kwargs)):
             raise RequestError(f"chat_template_kwargs: {', '.join(clash)} cannot be set here "
                                "(an argument of the template renderer, not a template variable)")
         try:
@@ -336,8 +335,7 @@ def _without_null_usage(chunk: Any) -> dict[str, Any]:
     if data.get("usage") is None:
         data.pop("usage", None)
     for choice in data["choices"]:
-        delta = choice.get("delta")
-        if delta is not None:
+        if (delta := choice.get("delta")) is not None:
             choice["delta"] = {k: v for k, v in delta.items() if v is not None}
             for call in choice["delta"].get("tool_calls") or []:  # later deltas: no id or name
                 for part, key in ((call, "id"), (call, "type"), (call["function"], "name")):

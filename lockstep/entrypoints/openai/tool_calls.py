@@ -101,8 +101,7 @@ def plan_tools(tools: Sequence[Tool] | None, tool_choice: str | NamedToolChoice 
     plan = ToolPlan(mode=mode, tools=tuple(rendered), parameters=parameters,
                     parallel=parallel_tool_calls is not False, forced_name=forced,
                     parser_name=parser_name if mode == "auto" else None)
-    schema = plan.json_schema()
-    if schema is not None:
+    if (schema := plan.json_schema()) is not None:
         try:
             validate_constraint(Constraint("json_schema", schema))
         except ConstraintError as e:
@@ -140,8 +139,7 @@ def _check_choice(choice: str | NamedToolChoice | None, have_tools: bool
 
 def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     """A message as chat templates expect it: tool-call arguments as objects, not JSON text."""
-    calls = message.get("tool_calls")
-    if not calls:
+    if not (calls := message.get("tool_calls")):
         return dict(message)
     converted = []
     for j, call in enumerate(calls):
