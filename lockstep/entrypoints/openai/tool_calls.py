@@ -57,10 +57,8 @@ class ToolPlan:
                       "properties": {"name": {"const": name}, "arguments": schema},
                       "required": ["name", "arguments"]}
                      for name, schema in self.parameters.items()]
-            array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-            if not self.parallel:
-                array["maxItems"] = 1
-            return json.dumps(array)
+            return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                               **({} if self.parallel else {"maxItems": 1})})
         return None
 
     def new_parser(self) -> ToolCallParser:
