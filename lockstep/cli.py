@@ -53,8 +53,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     module = importlib.import_module(f"lockstep.bench.{name}")
-    main = getattr(module, "main", None)
-    if main is None:
+    if (main := getattr(module, "main", None)) is None:
         print(f"lockstep bench: lockstep.bench.{name} has no main()", file=sys.stderr)
         return 2
     sys.argv = [f"lockstep bench {name}", *argv]

@@ -72,8 +72,7 @@ class GrammarBackend:
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher for `constraint`; ConstraintError when it does not compile."""
-        proto = self._cache.get(constraint)
-        if proto is None:
+        if (proto := self._cache.get(constraint)) is None:
             proto = llguidance.LLMatcher(self.tokenizer, constraint.grammar(), log_level=0,
                                          limits=GRAMMAR_LIMITS)
             if proto.is_error():

@@ -20,9 +20,8 @@ CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = get_args(ConstraintKind)
 
 # JSON is generated as json.dumps writes it by default: one space after ',' and ':', no other
 # whitespace. Flexible whitespace lets a small model pad forever with newlines before a value.
-JSON_OPTIONS: dict[str, Any] = {
-    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-}
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+                                "key_separator": ": "}
 
 
 # Limits every constraint is held to, the same in the front's check and the scheduler's compile.
@@ -122,16 +121,14 @@ def validate_constraint(c: Constraint) -> None:
     if len(c.text) > MAX_CONSTRAINT_CHARS:
         raise ConstraintError(f"{c.kind} has {len(c.text)} characters; the limit is "
                               f"{MAX_CONSTRAINT_CHARS}")
-    error = _grammar_error(c)
-    if error:
+    if error := _grammar_error(c):
         raise ConstraintError(error)
 
 
 @functools.lru_cache(maxsize=256)
 def _grammar_error(c: Constraint) -> str | None:
     grammar = c.grammar()
-    error = llguidance.LLMatcher.validate_grammar(grammar, limits=GRAMMAR_LIMITS)
-    if error:
+    if error := llguidance.LLMatcher.validate_grammar(grammar, limits=GRAMMAR_LIMITS):
         return f"invalid {c.kind}: {_one_line(error)}"
     return _probe(c.kind, grammar)
 

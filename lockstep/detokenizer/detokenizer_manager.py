@@ -27,8 +27,7 @@ class DetokenizerManager:
     def handle(self, batch: BatchTokenIDOut) -> BatchStrOut:
         out: list[ReqOutput] = []
         for o in batch.outputs:
-            det = self.states.get(o.rid)
-            if det is None:
+            if (det := self.states.get(o.rid)) is None:
                 skip, spaces = o.decode_options
                 det = self.states[o.rid] = IncrementalDetokenizer(
                     self.tokenizer, skip_special_tokens=skip, spaces_between_special_tokens=spaces)

@@ -66,6 +66,4 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self._tokenizer.decode(ids, **self._decode_kwargs)
+        return self._tokenizer.decode(ids, **self._decode_kwargs) if ids else ""

@@ -161,9 +161,7 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
     except BaseException:
         launched.shutdown()
         raise
-    info = dict(infos[0])
-    info["ranks"] = [i for i in infos if "tp_rank" in i]
-    launched.info = info
+    info = launched.info = {**infos[0], "ranks": [i for i in infos if "tp_rank" in i]}
     if args.node_rank == 0:
         tokenizer = load_tokenizer(args)
         vocab = ModelConfig.from_hf(source.hf_config).vocab_size
@@ -248,7 +246,6 @@ class Engine:
         self._launched.watch(self._on_child_death)
         atexit.register(self.shutdown)
 
-    # ---- plumbing ------------------------------------------------------------------------
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         if self._closed or self._dead:
             coro.close()
@@ -298,7 +295,6 @@ class Engine:
         outs = [sglang_output(f) for f in await run_to_completion(tm, singles, None)]
         return outs if many else outs[0]
 
-    # ---- API -----------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,

@@ -112,8 +112,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
-        message = _body_error(errors)
-        if message is None:
+        if (message := _body_error(errors)) is None:
             # FastAPI prefixes every location with "body"; the field paths start below it.
             errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in errors]
             message = format_errors(errors)

@@ -86,8 +86,7 @@ class Fanout:
         finals: list[GenerateOutput | None] = [None] * len(self.singles)
         async for index, item in self.items():
             finals[index] = item
-        missing = [i for i, f in enumerate(finals) if f is None]
-        if missing:
+        if missing := [i for i, f in enumerate(finals) if f is None]:
             raise RuntimeError(f"requests {missing} ended without output")
         return finals  # type: ignore[return-value]
 

@@ -53,10 +53,6 @@ def _ids_shape(v: Any) -> str | None:
     return "list[list]" if v and isinstance(v[0], list) else "list"
 
 
-def _bool_or_list(v: Any) -> str:
-    return "list" if isinstance(v, list) else "bool"
-
-
 # The non-empty lists a prompt can be (here and in the OpenAI routes' models).
 Texts = Annotated[list[str], Field(min_length=1)]
 Ids = Annotated[list[TokenId], Field(min_length=1)]
@@ -69,7 +65,8 @@ RidInput = shaped({"str": NonEmptyStr, "list": list[NonEmptyStr]}, "a string or 
 UNION_TAGS = frozenset({"str", "list", "dict", "bool", "list[str]", "list[int]", "list[list]"})
 
 
-LogprobFlag = shaped({"bool": bool, "list": list[bool]}, "a boolean or a list", _bool_or_list)
+LogprobFlag = shaped({"bool": bool, "list": list[bool]}, "a boolean or a list",
+                     lambda v: "list" if isinstance(v, list) else "bool")
 
 
 class StrictModel(BaseModel):

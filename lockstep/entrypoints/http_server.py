@@ -118,7 +118,6 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     app.state.status = status
     install_error_handlers(app)
 
-    # ---- health and info ---------------------------------------------------------------
     async def health() -> Response:
         why = status.unavailable()
         return json_response(HEALTHY) if why is None else unavailable_response(why)
@@ -171,7 +170,6 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    # ---- generation ----------------------------------------------------------------------
     async def generate(obj: GenerateReqInput, request: Request) -> Response:
         singles = obj.normalize(args.max_batch_size)
         many = obj.is_batch or len(singles) > 1
@@ -203,7 +201,6 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
         app.post(prefix + "/tokenize")(tokenize_route)
         app.post(prefix + "/detokenize")(detokenize_route)
 
-    # ---- control -------------------------------------------------------------------------
     async def flush_cache() -> Response:
         out = await tm.flush_cache()
         if out.success:

@@ -118,8 +118,7 @@ class Metrics:
             else:
                 for _ in range(n):
                     self.itl.observe((now - last) / n)
-        reason = out.finish_reason
-        if reason is None:
+        if (reason := out.finish_reason) is None:
             return
         self.requests.labels(**streaming).inc()
         self.by_reason.labels(finish_reason=reason.type, **self.labels).inc()

@@ -142,7 +142,6 @@ class TokenizerManager:
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
 
-    # ---- requests -----------------------------------------------------------------------
     @property
     def max_prompt_tokens(self) -> int:
         limit = self.context_len - 1
@@ -272,7 +271,6 @@ class TokenizerManager:
         replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=60)
         return next((r for r in replies if not r.success), replies[0])
 
-    # ---- outputs ------------------------------------------------------------------------
     async def _handle_loop(self) -> None:
         while True:
             try:
@@ -281,8 +279,7 @@ class TokenizerManager:
                 return
             if isinstance(msg, BatchStrOut):
                 for out in msg.outputs:
-                    state = self.states.get(out.rid)
-                    if state is not None:
+                    if (state := self.states.get(out.rid)) is not None:
                         state.queue.put_nowait(out)
             elif isinstance(msg, FlushCacheOut):
                 if self.control_waiters:

@@ -49,10 +49,8 @@ class ParseResult:
 
 def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest proper prefix of `marker` that `text` ends with."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1)
+                 if text.endswith(marker[:k])), 0)
 
 
 class ToolCallParser(ABC):
@@ -76,7 +74,6 @@ class ToolCallParser(ABC):
         self._mode = "start"  # the subclass's state: "content", "block", "discard", ...
         self._block_start = self._marker_len = 0  # where that call's marker began, its length
 
-    # ---- public --------------------------------------------------------------------------
     def feed(self, text: str) -> StreamDelta:
         if self._finished:
             raise RuntimeError("feed() after finish()")
@@ -112,7 +109,6 @@ class ToolCallParser(ABC):
         """A call announced to the stream whose markup then broke (or was cut off)."""
         return self._malformed
 
-    # ---- for subclasses ------------------------------------------------------------------
     @abstractmethod
     def _step(self, final: bool) -> bool:
         """Consume what can be consumed from `_buf[_pos:]`; False when more text is needed
@@ -151,8 +147,7 @@ class ToolCallParser(ABC):
     def _end_call(self, ok: bool) -> None:
         self._open_call = False
         self._after_call = True
-        if not ok:
-            self._malformed = True
+        self._malformed = self._malformed or not ok
 
     def _open_json_call(self, at: int, marker_len: int = 0) -> None:
         """Start reading a {"name": ..., "arguments": ...} object after a marker (a tag, or
@@ -212,7 +207,6 @@ class ToolCallParser(ABC):
             self._mode = "content"
         return True
 
-    # ---- internals -----------------------------------------------------------------------
     def _take(self) -> StreamDelta:
         out, self._out = self._out, StreamDelta()
         return out

@@ -99,8 +99,7 @@ class JsonCallScanner:
                 return None
             if c != '"':
                 return Status.FAILED
-            decoded = decode_at(buf, self.i)
-            if decoded is None:
+            if (decoded := decode_at(buf, self.i)) is None:
                 return Status.MORE
             key, self.i = decoded
             if key in self._seen or key not in ARGUMENT_KEYS | {"name", "type"}:
@@ -124,8 +123,7 @@ class JsonCallScanner:
             return None
         if c != '"':
             return Status.FAILED
-        decoded = decode_at(buf, self.i)
-        if decoded is None:
+        if (decoded := decode_at(buf, self.i)) is None:
             return Status.MORE  # decoded again once complete (names are short)
         value, self.i = decoded
         self._phase = "after_value"

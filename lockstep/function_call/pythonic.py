@@ -91,8 +91,7 @@ class PythonicParser(ToolCallParser):
                 self._pos += 1
                 self._phase = "after_call"
                 return True
-            m = _IDENT.match(buf, pos)
-            if m is None:
+            if (m := _IDENT.match(buf, pos)) is None:
                 return False
             j = skip_ws(buf, m.end())
             if j == len(buf):
@@ -159,8 +158,7 @@ class PythonicParser(ToolCallParser):
         self._pos, self._depth, self._quote, self._escape = i, depth, quote, escape
         if end < 0:
             return None
-        value = literal_json(buf[self._value_start:end])
-        if value is None:
+        if (value := literal_json(buf[self._value_start:end])) is None:
             return False
         opener = "{" if len(self._keys) == 1 else ", "
         self._arguments(f"{opener}{json.dumps(self._keys[-1], ensure_ascii=False)}: {value}")

@@ -24,8 +24,7 @@ _DEFAULT_PARSER = {**dict.fromkeys(QWEN_NAMES, "qwen25"), **dict.fromkeys(LLAMA_
 
 def make_parser(name: str, tool_names: Iterable[str]) -> ToolCallParser:
     """A fresh parser for one generation; ValueError naming the known parsers otherwise."""
-    cls = TOOL_CALL_PARSERS.get(name)
-    if cls is None:
+    if (cls := TOOL_CALL_PARSERS.get(name)) is None:
         known = ", ".join(sorted(TOOL_CALL_PARSERS))
         raise ValueError(f"unknown tool-call parser {name!r}; known: {known}")
     return cls(tool_names)

@@ -84,10 +84,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for this rank's vocab slice, gathered so every rank sees the full row."""
-        if self.logits_parts is not None:
-            local = matmul_parts(hidden, self.logits_parts)
-        else:
-            local = F.linear(hidden, self.weight)
+        local = (matmul_parts(hidden, self.logits_parts) if self.logits_parts is not None
+                 else F.linear(hidden, self.weight))
         return self.tp.all_gather(local, dim=-1)[..., : self.vocab_size]
 
 

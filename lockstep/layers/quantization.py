@@ -30,8 +30,7 @@ def quantization_problems(method: str | None, device: str, dtype: str) -> list[s
                         "with --device cpu, or drop --quantization and use --dtype float16 or "
                         "bfloat16 on a GPU")
     if dtype == "bfloat16" and device == "cpu":
-        lacking = _amx_bf16_lacking()
-        if lacking:
+        if lacking := _amx_bf16_lacking():
             problems.append(f"--quantization {method} with --dtype bfloat16 runs the AMX bfloat16 "
                             f"kernels, and this CPU lacks the flag(s) {', '.join(lacking)}: use "
                             "--dtype auto or float32 instead of --dtype bfloat16, or drop "

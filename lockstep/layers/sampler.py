@@ -107,10 +107,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, top_logprobs_num: int 
             logits[row].index_add_(0, ids, bias)
         if info.vocab_mask is not None:
             apply_vocab_mask_(logits, info.vocab_mask, info.vocab_mask_rows)
-    if info.all_greedy:
-        next_ids = argmax(logits)
-    else:
-        next_ids = _sample_random(logits, info)
+    next_ids = argmax(logits) if info.all_greedy else _sample_random(logits, info)
     out = SampleOutput(next_ids)
     if want_logprobs or top_logprobs_num:
         logp = torch.log_softmax(raw, dim=-1)

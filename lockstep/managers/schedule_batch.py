@@ -175,9 +175,8 @@ class ScheduleBatch:
                 prompt_targets.extend(fill[lo + 1:hi + 1])
             else:
                 prompt_rows.append(None)
-            for row in range(len(ids) - samples, len(ids)):
-                sample_rows.append(len(logits_idx))
-                logits_idx.append(row)
+            sample_rows.extend(range(len(logits_idx), len(logits_idx) + samples))
+            logits_idx.extend(range(len(ids) - samples, len(ids)))
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         fb = ForwardBatch(
             mode=self.mode, input_ids=t(ids), positions=t(positions),

@@ -7,12 +7,6 @@ import random
 from collections import defaultdict
 
 from lockstep.managers.schedule_batch import Req
-from lockstep.mem_cache.radix_cache import TreeNode
-
-
-def match_len(tree, req: Req) -> tuple[int, TreeNode]:
-    indices, node = tree.match_prefix(req.fill_ids)
-    return int(indices.numel()), node
 
 
 def order_waiting(policy: str, waiting: list[Req], tree, rng: random.Random) -> list[Req]:
@@ -25,7 +19,7 @@ def order_waiting(policy: str, waiting: list[Req], tree, rng: random.Random) -> 
         rng.shuffle(order)
         return order
     if policy == "lpm":
-        lens = {r.rid: match_len(tree, r)[0] for r in waiting}
+        lens = {r.rid: int(tree.match_prefix(r.fill_ids)[0].numel()) for r in waiting}
         return sorted(waiting, key=lambda r: (-lens[r.rid], r.arrival))
     if policy == "dfs-weight":
         return _dfs_weight(waiting, tree)
@@ -38,7 +32,7 @@ def _dfs_weight(waiting: list[Req], tree) -> list[Req]:
     by_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
     for req in sorted(waiting, key=lambda r: r.arrival):
-        node = match_len(tree, req)[1]
+        node = tree.match_prefix(req.fill_ids)[1]
         by_node[node.node_id].append(req)
         while node is not None:
             weight[node.node_id] += 1

@@ -106,7 +106,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self._launched = self._completed = 0
         self._parked_rows: list[tuple[int, int]] = []
 
-    # ---- inputs -------------------------------------------------------------------------
     def process_inputs(self, msgs: Iterable[Any]) -> None:
         for msg in msgs:
             if isinstance(msg, TokenizedGenerateReq):
@@ -148,7 +147,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.check_integrity()
         return FlushCacheOut(True)
 
-    # ---- one step -----------------------------------------------------------------------
     def step(self, msgs: Iterable[Any] = ()) -> list[ReqOutput]:
         self.process_inputs(msgs)
         if self.overlap:
@@ -254,7 +252,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.before_run(self.step_count, batch.fingerprint() if batch else "idle")
         return batch
 
-    # ---- admission ----------------------------------------------------------------------
     def _future_tokens(self, req: Req) -> int:
         """KV the request's output will still need, by the estimated new-token ratio."""
         left = req.sampling_params.max_new_tokens - len(req.output_ids)
@@ -340,7 +337,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         return any(other.fill_ids[prefix:prefix + IN_BATCH_PREFIX_THRESHOLD] == new
                    for other in admitted)
 
-    # ---- decode and retraction ----------------------------------------------------------
     def _decode_batch(self) -> ScheduleBatch | None:
         if self.inflight is not None and any(r.needs_real_outputs for r in self.running):
             self._sync()
@@ -390,7 +386,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         step = (self.init_ratio - floor) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = max(floor, self.new_token_ratio - step)
 
-    # ---- KV ownership -------------------------------------------------------------------
     def _to_tree(self, req: Req) -> list[int]:
         """Insert the request's computed tokens; the tree keeps those it did not hold, and the
         request's copies of the others are freed. Returns the tokens."""

@@ -72,8 +72,7 @@ def _search(rx: Any, text: str, start: int) -> tuple[int, int] | None:
     # character before it as context for ^, \b and (?m)$.
     lo = max(0, start - 1)
     window = text[lo:].encode()
-    m = rx.search(window, len(text[lo:start].encode()))
-    if m is None:
+    if (m := rx.search(window, len(text[lo:start].encode()))) is None:
         return None
     s, e = m.span()
     return lo + len(window[:s].decode()), lo + len(window[:e].decode())

@@ -63,7 +63,6 @@ class TpModelWorkerClient:
             raise RuntimeError("the forward thread failed") from out
         return out
 
-    # ---- the forward thread -------------------------------------------------------------
     def _loop(self) -> None:
         if self._cuda:
             torch.cuda.set_device(self._cuda_device)

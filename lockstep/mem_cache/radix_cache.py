@@ -104,8 +104,7 @@ class RadixCache:
         values: list[torch.Tensor] = []
         i = 0
         while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
+            if (child := node.children.get(tokens[i])) is None:
                 break
             n = _common_prefix_len(child.key, tokens, i)
             if n < len(child.key):
@@ -199,12 +198,9 @@ class RadixCache:
         return torch.cat(values) if values else self._empty()
 
     def reset(self) -> None:
-        locked = [n for n in self._nodes() if n.lock_ref > 0]
-        if locked:
+        if locked := [n for n in self._nodes() if n.lock_ref > 0]:
             raise RuntimeError(f"cannot reset the radix cache: {len(locked)} node(s) locked")
-        slots = self.all_slot_indices()
-        if slots.numel():
-            self.allocator.free(slots)
+        self.allocator.free(self.all_slot_indices())  # a no-op when empty
         self._reset_state()
 
     def pretty_print(self) -> str:

@@ -96,10 +96,8 @@ class ModelRunner:
         n_layers = self.model.end_layer - self.model.start_layer
         per_token = TokenToKVPool.bytes_per_token(n_layers, self.n_kv_local,
                                                   self.model_cfg.head_dim, self.dtype)
-        if self.device == "cuda":
-            free = torch.cuda.mem_get_info()[0]
-        else:
-            free = psutil.virtual_memory().available // self.cfg.local_ranks
+        free = (torch.cuda.mem_get_info()[0] if self.device == "cuda"
+                else psutil.virtual_memory().available // self.cfg.local_ranks)
         tokens = int(free * self.cfg.mem_fraction_static) // per_token
         # More KV than every running request could fill at full context is wasted memory.
         return max(256, min(tokens, self.context_len * self.cfg.max_running_requests))

@@ -85,8 +85,7 @@ class _Metadata:
         self.arch: str = arch
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
+        if (field := self._reader.fields.get(key)) is None:
             return default
         try:
             return field.contents()
@@ -97,8 +96,7 @@ class _Metadata:
         return self.get(f"{self.arch}.{key}", default)
 
     def require(self, key: str) -> Any:
-        value = self.arch_get(key)
-        if value is None:
+        if (value := self.arch_get(key)) is None:
             raise ModelLoadError(f"{self.path}: metadata {self.arch}.{key} is missing")
         return value
 
@@ -151,8 +149,7 @@ def build_config(meta: _Metadata, tensors: dict[str, ReaderTensor]) -> Any:
     from transformers import AutoConfig
 
     arch = meta.arch
-    embed = tensors.get("token_embd.weight")
-    if embed is None:
+    if (embed := tensors.get("token_embd.weight")) is None:
         raise ModelLoadError(f"{meta.path}: no token_embd.weight tensor")
     hidden = int(meta.require("embedding_length"))
     n_layers = int(meta.require("block_count"))
@@ -167,12 +164,9 @@ def build_config(meta: _Metadata, tensors: dict[str, ReaderTensor]) -> Any:
     common: dict[str, Any] = {
         "architectures": [_HF_ARCHITECTURES[arch]],
         "vocab_size": int(embed.shape[-1]),  # ggml lists dims fastest-first: [hidden, vocab]
-        "hidden_size": hidden,
-        "intermediate_size": int(meta.require("feed_forward_length")),
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(n_kv),
-        "head_dim": head_dim,
+        "hidden_size": hidden, "intermediate_size": int(meta.require("feed_forward_length")),
+        "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv), "head_dim": head_dim,
         "max_position_embeddings": int(meta.require("context_length")),
         "rms_norm_eps": _f32(meta.require("attention.layer_norm_rms_epsilon")),
         # llama.cpp drops output.weight when it is the embedding matrix.
@@ -231,8 +225,7 @@ def _tensor_index(reader: GGUFReader, meta: _Metadata, config: Any) -> dict[str,
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # folded into rope_parameters by build_config
             continue
-        hf_name = hf_tensor_name(arch, t.name)
-        if hf_name is None:
+        if (hf_name := hf_tensor_name(arch, t.name)) is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {arch} model")
         transform: list[Any] | None = None
         if arch == "gemma3" and t.name.endswith("norm.weight"):
@@ -263,8 +256,7 @@ def _check_shapes(index: dict[str, dict[str, Any]], config: Any, gguf_path: Path
         if want is None or tuple(entry["shape"]) != want:
             raise ModelLoadError(f"{gguf_path}: tensor {name} has shape "
                                  f"{tuple(entry['shape'])}, the model expects {want}")
-    missing = sorted(set(expected) - set(index))
-    if missing:
+    if missing := sorted(set(expected) - set(index)):
         raise ModelLoadError(f"{gguf_path}: missing tensors {missing[:5]} ({len(missing)} in all)")
 
 

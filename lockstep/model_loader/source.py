@@ -91,12 +91,10 @@ def _resolve_gguf(path: Path, origin: str, cache_dir: Path, start: float) -> Mod
         raise ModelLoadError(f"{cache_dir}: cannot create the model cache directory: {e}") from e
     digest = _content_sha256(path, cache_dir)
     target = cache_dir / f"{digest[:16]}{_CACHE_SUFFIX}"
-    cached = _load_cached(target, origin, path)
-    if cached is None:
+    if (cached := _load_cached(target, origin, path)) is None:
         with cache_lock(cache_dir / f".{target.name}.lock"):
             # Another process may have finished the conversion while we waited for the lock.
-            cached = _load_cached(target, origin, path)
-            if cached is None:
+            if (cached := _load_cached(target, origin, path)) is None:
                 _convert_into(path, digest, target)
                 source = _load_converted(target, origin, path)
                 logger.info("%s: converted in %.2f s (%s)", path, time.perf_counter() - start,

@@ -9,11 +9,7 @@ from lockstep.models.gemma3 import Gemma3ForCausalLM
 from lockstep.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    "gemma3": Gemma3ForCausalLM,
-}
+    **dict.fromkeys(("llama", "qwen2", "qwen3"), LlamaForCausalLM), "gemma3": Gemma3ForCausalLM}
 
 
 def build_model(cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,

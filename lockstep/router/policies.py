@@ -65,8 +65,7 @@ class RadixTree:
         """Characters of `text` covered by the longest prefix in the tree (read-only)."""
         node, i = self.root, 0
         while i < len(text):
-            child = node.children.get(text[i])
-            if child is None:
+            if (child := node.children.get(text[i])) is None:
                 break
             common = _common_prefix(child.text, text, i)
             i += common
@@ -82,8 +81,7 @@ class RadixTree:
         node, i = self.root, 0
         node.last_access = tick
         while i < len(text):
-            child = node.children.get(text[i])
-            if child is None:
+            if (child := node.children.get(text[i])) is None:
                 node.children[text[i]] = _Node(text[i:], node, tick)
                 self.size += len(text) - i
                 break

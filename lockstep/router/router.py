@@ -127,7 +127,6 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self._checks: dict[str, asyncio.Task[bool]] = {}
 
-    # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=10)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout, sock_connect=10)
@@ -143,7 +142,6 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
-    # ---- health --------------------------------------------------------------------------
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_check_interval)
@@ -194,7 +192,6 @@ class Router:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.healthy]
 
-    # ---- admin ---------------------------------------------------------------------------
     async def add_worker(self, url: str) -> Worker:
         url = normalize_url(url)
         if url in self.workers:
@@ -216,7 +213,6 @@ class Router:
                 "workers": [w.info() for w in self.workers.values()],
                 "health_check_interval": self.config.health_check_interval}
 
-    # ---- dispatch ------------------------------------------------------------------------
     async def dispatch(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
                        pick: Callable[[list[Worker]], Worker]) -> Response:
         """Send the request to the worker `pick` chooses among the healthy ones, retrying on
@@ -262,8 +258,7 @@ class Router:
                                                 headers=out_headers)
                 return failure
             if resp.content_type == "text/event-stream":
-                first = await resp.content.readany()
-                if not first:
+                if not (first := await resp.content.readany()):
                     return _Failure(f"{worker.url} ended the stream before any event")
                 handed_off = True
                 return RelayResponse(self, worker, resp, first, {**out_headers, **SSE_HEADERS})

@@ -70,7 +70,6 @@ def create_app(config: RouterConfig) -> FastAPI:
         return await router.dispatch(request.method, path, body, _forward_headers(request),
                                      lambda candidates: min(candidates, key=lambda w: w.load))
 
-    # ---- generation, and what one worker answers for all -------------------------------
     def to(handler: Callable[[Request, str], Awaitable[Response]], path: str) -> Callable:
         async def route(request: Request) -> Response:  # the path is fixed, never the client's
             return await handler(request, path)
@@ -100,7 +99,6 @@ def create_app(config: RouterConfig) -> FastAPI:
                     return json_response(info)
         return resp
 
-    # ---- to every worker -----------------------------------------------------------------
     @app.api_route("/flush_cache", methods=["POST", "GET"])
     async def flush_cache(request: Request) -> Response:
         results = await router.broadcast(request.method, "/flush_cache", None,
@@ -131,7 +129,6 @@ def create_app(config: RouterConfig) -> FastAPI:
             return error_response("no healthy worker", 503)
         return json_response({"aborted": aborted})
 
-    # ---- the router's own ----------------------------------------------------------------
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if router.healthy():

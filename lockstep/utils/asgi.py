@@ -103,21 +103,14 @@ class BodyLimit:
                     break
             else:
                 receive = _replay(b"".join(chunks), receive)
-        if refusal is not None:
-            await refusal(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+        await (refusal if refusal is not None else self.app)(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Any) -> Any:
     """`receive` that hands out `body` once, then whatever the client sends next (a disconnect)."""
-    sent = False
+    first = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def replay() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        return first.pop() if first else await receive()
 
     return replay

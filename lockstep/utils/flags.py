@@ -33,9 +33,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     groups: dict[str, Any] = {}
     for f in fields(cls):
         meta = f.metadata
-        if meta["group"] not in groups:
-            groups[meta["group"]] = parser.add_argument_group(f"{meta['group']} options")
-        group = groups[meta["group"]]
+        if (group := groups.get(meta["group"])) is None:
+            group = groups[meta["group"]] = parser.add_argument_group(f"{meta['group']} options")
         name = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         kind = next((k for k in typing.get_args(hint) if k is not type(None)), hint)

@@ -27,9 +27,7 @@ _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
     kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return ErrorResponse(
-        error=ErrorDetail(message=message, type=kind, param=param, code=status)
-    ).model_dump()
+    return {"error": ErrorDetail(message=message, type=kind, param=param, code=status).model_dump()}
 
 
 def _default(value: Any) -> Any:

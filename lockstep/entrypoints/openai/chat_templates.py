@@ -47,8 +47,7 @@ def resolve_chat_template(requested: str | None, tokenizer_template: str | None,
     if tokenizer_template:
         return tokenizer_template
     for key in (model_type, *architectures):
-        name = ARCH_TO_TEMPLATE.get(key) or ARCH_TO_TEMPLATE.get(key.lower())
-        if name:
+        if name := ARCH_TO_TEMPLATE.get(key) or ARCH_TO_TEMPLATE.get(key.lower()):
             return BUILTIN_CHAT_TEMPLATES[name]
     return None
 

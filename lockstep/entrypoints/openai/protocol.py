@@ -312,10 +312,6 @@ class ChatCompletionRequest(_OpenAIRequest):
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
-def _now() -> int:
-    return int(time.time())
-
-
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
@@ -344,7 +340,7 @@ class _Choice(BaseModel):
 
 class _Response(BaseModel):
     id: str
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=lambda: int(time.time()))
     model: str
 
 
@@ -437,7 +433,7 @@ class ChatCompletionStreamResponse(_Response):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "lockstep"
     root: str | None = None
     max_model_len: int | None = None

@@ -42,8 +42,7 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {
 
 def reasoning_format(name: str) -> ReasoningFormat:
     """ValueError naming the known parsers for an unknown name."""
-    fmt = REASONING_PARSERS.get(name.lower())
-    if fmt is None:
+    if (fmt := REASONING_PARSERS.get(name.lower())) is None:
         raise ValueError(f"unknown reasoning parser {name!r}; known: "
                          f"{', '.join(sorted(REASONING_PARSERS))}")
     return fmt

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,6 @@ def finish_of(item: GenerateOutput) -> tuple[str | None, int | str | None]:
     return (reason.type, getattr(reason, "matched", None)) if reason is not None else (None, None)
 
 
-def _token_bytes(text: str | None) -> list[int]:
-    return list((text or "").encode("utf-8", errors="replace"))
-
-
 Entries = list[TokenLogprob]
 Tops = list[list[TokenLogprob] | None]
 
@@ -103,26 +100,24 @@ class _LogprobCursor:
 
 def completion_logprobs(entries: Entries, tops: Tops, top_n: int, offset: int = 0
                         ) -> CompletionLogprobs:
-    lp = CompletionLogprobs()
-    for entry, top in zip(entries, tops):
-        text = entry.text or ""
-        lp.tokens.append(text)
-        lp.token_logprobs.append(entry.logprob)
-        lp.top_logprobs.append(
-            {t.text or "": t.logprob for t in top} if top_n and top else None)
-        lp.text_offset.append(offset)
-        offset += len(text)
-    return lp
+    pairs = list(zip(entries, tops))
+    texts = [entry.text or "" for entry, _ in pairs]
+    return CompletionLogprobs(
+        tokens=texts, token_logprobs=[entry.logprob for entry, _ in pairs],
+        top_logprobs=[{t.text or "": t.logprob for t in top} if top_n and top else None
+                      for _, top in pairs],
+        text_offset=list(accumulate(map(len, texts), initial=offset))[:-1])
+
+
+def _chat_token(t: TokenLogprob) -> dict[str, Any]:
+    text = t.text or ""
+    return {"token": text, "logprob": t.logprob, "bytes": list(text.encode(errors="replace"))}
 
 
 def chat_logprobs(entries: Entries, tops: Tops) -> ChatChoiceLogprobs:
-    content = []
-    for entry, top in zip(entries, tops):
-        content.append(ChatTokenLogprob(
-            token=entry.text or "", logprob=entry.logprob, bytes=_token_bytes(entry.text),
-            top_logprobs=[TopLogprob(token=t.text or "", logprob=t.logprob,
-                                     bytes=_token_bytes(t.text)) for t in (top or [])]))
-    return ChatChoiceLogprobs(content=content)
+    return ChatChoiceLogprobs(content=[ChatTokenLogprob(
+        **_chat_token(e), top_logprobs=[TopLogprob(**_chat_token(t)) for t in top or []])
+        for e, top in zip(entries, tops)])
 
 
 class OpenAIServing:
@@ -142,8 +137,6 @@ class OpenAIServing:
         self.tool_call_parser = (args.tool_call_parser
                                  or default_parser_name(model_type, architectures))
         self.reasoning = reasoning_format(args.reasoning_parser) if args.reasoning_parser else None
-
-    # ---- models and templates ---------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.accepted_names:
@@ -173,8 +166,7 @@ class OpenAIServing:
                 "start the server with --chat-template NAME|FILE or use /v1/completions")
         tok = self.tm.tokenizer
         kwargs = req.chat_template_kwargs or {}
-        clash = sorted(renderer_arguments(tok) & set(kwargs))
-        if clash:
+        if clash := sorted(renderer_arguments(tok) & set(kwargs)):
             raise RequestError(f"chat_template_kwargs: {', '.join(clash)} cannot be set here "
                                "(an argument of the template renderer, not a template variable)")
         try:
@@ -198,7 +190,6 @@ class OpenAIServing:
         inside = not json_output and fmt.starts_inside(req.chat_template_kwargs, prompt)
         return [ReasoningParser(fmt, inside, req.stream_reasoning) for _ in range(n)]
 
-    # ---- /v1/completions --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
         prompts = req.prompts()
@@ -236,7 +227,6 @@ class OpenAIServing:
             req, request, singles, "cmpl", CompletionResponse, CompletionStreamResponse,
             lambda index, item: choice(index, item, item.text, _LogprobCursor()), step)
 
-    # ---- /v1/chat/completions ---------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request | None) -> Response:
         self.check_model(req.model)
         plan = self.tool_plan(req)
@@ -251,9 +241,7 @@ class OpenAIServing:
                                           len(singles))
 
         def whole(index: int, item: GenerateOutput) -> ChatCompletionChoice:
-            lp = None
-            if req.logprobs:
-                lp = chat_logprobs(*_LogprobCursor().take(item, with_prompt=False))
+            lp = chat_logprobs(*_LogprobCursor().take(item, False)) if req.logprobs else None
             finish, matched = finish_of(item)
             think = thinking[index]
             reasoning, text = think.parse(item.text) if think is not None else (None, item.text)
@@ -268,39 +256,33 @@ class OpenAIServing:
         started = [False] * len(singles)
 
         def step(index: int, item: GenerateOutput) -> Iterator[ChatCompletionStreamChoice]:
+            piece = partial(ChatCompletionStreamChoice, index=index)
             if not started[index]:
                 started[index] = True
-                yield ChatCompletionStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content=""))
-            lp = None
-            if req.logprobs:
-                lp = chat_logprobs(*cursors[index].take(item, with_prompt=False))
+                yield piece(delta=DeltaMessage(role="assistant", content=""))
+            lp = chat_logprobs(*cursors[index].take(item, False)) if req.logprobs else None
             text, calls = item.text_delta, []
             finish, matched = finish_of(item)
             think = thinking[index]
             if think is not None:  # the parser holds back what may be a marker
                 reasoning, text = _feed(think, text, finish is not None)
                 if reasoning:
-                    yield ChatCompletionStreamChoice(
-                        index=index, delta=DeltaMessage(reasoning_content=reasoning))
+                    yield piece(delta=DeltaMessage(reasoning_content=reasoning))
             stream = tools[index]
             if stream is not None:  # the parser holds back what may be call markup
                 text, calls = _feed(stream, text, finish is not None)
                 if finish is not None:
                     finish = finish_reason(finish, stream.has_calls)
             if text or (lp and lp.content):
-                yield ChatCompletionStreamChoice(
-                    index=index, delta=DeltaMessage(content=text), logprobs=lp)
+                yield piece(delta=DeltaMessage(content=text), logprobs=lp)
             if calls:
-                yield ChatCompletionStreamChoice(index=index, delta=DeltaMessage(tool_calls=calls))
+                yield piece(delta=DeltaMessage(tool_calls=calls))
             if finish is not None:
-                yield ChatCompletionStreamChoice(index=index, delta=DeltaMessage(),
-                                                 finish_reason=finish, matched_stop=matched)
+                yield piece(delta=DeltaMessage(), finish_reason=finish, matched_stop=matched)
 
         return await self._respond(req, request, singles, "chatcmpl", ChatCompletionResponse,
                                    ChatCompletionStreamResponse, whole, step)
 
-    # ---- both -------------------------------------------------------------------------
     async def _respond(self, req: CompletionRequest | ChatCompletionRequest,
                        request: Request | None, singles: list[TokenizedGenerateReq], kind: str,
                        response: type[Any], chunk: type[Any],
@@ -353,8 +335,7 @@ def _without_null_usage(chunk: Any) -> dict[str, Any]:
     if data.get("usage") is None:
         data.pop("usage", None)
     for choice in data["choices"]:
-        delta = choice.get("delta")
-        if delta is not None:
+        if (delta := choice.get("delta")) is not None:
             choice["delta"] = {k: v for k, v in delta.items() if v is not None}
             for call in choice["delta"].get("tool_calls") or []:  # later deltas: no id or name
                 for part, key in ((call, "id"), (call, "type"), (call["function"], "name")):

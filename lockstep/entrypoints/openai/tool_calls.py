@@ -57,10 +57,8 @@ class ToolPlan:
                       "properties": {"name": {"const": name}, "arguments": schema},
                       "required": ["name", "arguments"]}
                      for name, schema in self.parameters.items()]
-            array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-            if not self.parallel:
-                array["maxItems"] = 1
-            return json.dumps(array)
+            return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                               **({} if self.parallel else {"maxItems": 1})})
         return None
 
     def new_parser(self) -> ToolCallParser:
@@ -101,8 +99,7 @@ def plan_tools(tools: Sequence[Tool] | None, tool_choice: str | NamedToolChoice 
     plan = ToolPlan(mode=mode, tools=tuple(rendered), parameters=parameters,
                     parallel=parallel_tool_calls is not False, forced_name=forced,
                     parser_name=parser_name if mode == "auto" else None)
-    schema = plan.json_schema()
-    if schema is not None:
+    if (schema := plan.json_schema()) is not None:
         try:
             validate_constraint(Constraint("json_schema", schema))
         except ConstraintError as e:
@@ -140,8 +137,7 @@ def _check_choice(choice: str | NamedToolChoice | None, have_tools: bool
 
 def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     """A message as chat templates expect it: tool-call arguments as objects, not JSON text."""
-    calls = message.get("tool_calls")
-    if not calls:
+    if not (calls := message.get("tool_calls")):
         return dict(message)
     converted = []
     for j, call in enumerate(calls):
@@ -190,12 +186,9 @@ class ToolCallStream:
         return self._shape(self.parser.finish())
 
     def _shape(self, delta: StreamDelta) -> tuple[str, list[DeltaToolCall]]:
-        out = []
-        for c in delta.calls:
-            if self.limit is not None and c.index >= self.limit:
-                continue  # parallel_tool_calls false: only the first call counts
-            self.has_calls = True
-            out.append(DeltaToolCall(
-                index=c.index, id=c.id, type="function" if c.id is not None else None,
-                function=DeltaFunctionCall(name=c.name, arguments=c.arguments)))
+        out = [DeltaToolCall(index=c.index, id=c.id, type="function" if c.id is not None else None,
+                             function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+               for c in delta.calls  # parallel_tool_calls false: only the first call counts
+               if self.limit is None or c.index < self.limit]
+        self.has_calls = self.has_calls or bool(out)
         return delta.content, out
