@@ -141,39 +141,6 @@ def test_tiny_gguf_tp2_equals_tp1_bitwise(tmp_path, int8):
         launched.shutdown()
 
 
-@pytest.fixture(scope="module")
-def default_prompts() -> list[list[int]]:
-    """32 prompts of 3 to ~90 tokens in the default model's tokenizer."""
-    import random
-
-    from lockstep.testing.corpus import random_prompt
-    from lockstep.testing.inproc import default_tokenizer
-
-    tok = default_tokenizer()
-    rng = random.Random(4)
-    return [tok(random_prompt(rng, rng.randint(2, 60))).input_ids for _ in range(32)]
-
-
-@pytest.mark.real_model
-@pytest.mark.skipif(not compiled("linear"), reason="batch invariance is the compiled kernels' "
-                    "promise; this machine serves on the torch reference")
-def test_default_path_is_bitwise_batch_invariant(default_prompts):
-    """A request's output ids and logprobs alone are bitwise those it gets inside a batch of 32
-    requests of mixed lengths (default flags: GGUF blocks, int8 activations where compiled)."""
-    sched = make_scheduler(None, max_total_tokens=8192, disable_radix_cache=True,
-                           chunked_prefill_size=-1)
-
-    def run(ids: list[int]) -> dict:
-        return run_to_completion(sched, [greedy_req(f"r{i}", default_prompts[i], 16,
-                                                    return_logprob=True) for i in ids])
-
-    batch = run(list(range(32)))
-    for i in (0, 7, 31):
-        alone = run([i])[f"r{i}"]
-        assert alone.output_ids == batch[f"r{i}"].output_ids, i
-        assert alone.logprobs == batch[f"r{i}"].logprobs, i  # exact, not approx
-
-
 @pytest.mark.skipif(not compiled("linear_bf16"), reason="--dtype bfloat16 on blocks needs the "
                     "compiled AVX-512 kernels and the CPU flag amx_bf16, which this machine lacks")
 def test_bfloat16_serves_blocks_on_amx_batch_invariant_and_close_to_float32(tmp_path, monkeypatch):
