@@ -140,19 +140,12 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
         int32_t w32;
         std::memcpy(&w32, wq + j * k + 32 * b + 4 * k4, 4);
         const __m256i w = _mm256_set1_epi32(w32);
-        __m256i p[2];
-        if constexpr (Q::kSignedW) {
-          p[0] = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x.lo, w));
-          p[1] = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x.hi, w));
-        } else {
-          p[0] = _mm256_maddubs_epi16(w, x.lo);
-          p[1] = _mm256_maddubs_epi16(w, x.hi);
-        }
+        const __m256i p[2] = {pairs16<Q::kSignedW>(w, x.lo), pairs16<Q::kSignedW>(w, x.hi)};
         UNROLL for (int e = 0; e < 2; ++e) t[j][e] = k4 % G == 0 ? p[e] : _mm256_add_epi16(t[j][e], p[e]);
         if (k4 % G == G - 1) {
           IV& rr = r[j][2 * (k4 * S / 8) + ((k4 / G) & 1)];
-          rr.lo = _mm256_add_epi32(rr.lo, _mm256_madd_epi16(t[j][0], _mm256_set1_epi16(1)));
-          rr.hi = _mm256_add_epi32(rr.hi, _mm256_madd_epi16(t[j][1], _mm256_set1_epi16(1)));
+          rr.lo = _mm256_add_epi32(rr.lo, widen16(t[j][0]));
+          rr.hi = _mm256_add_epi32(rr.hi, widen16(t[j][1]));
         }
       }
     }
@@ -237,8 +230,7 @@ I8_TARGET inline __m256i dot32(__m256i w, __m256i x) {
   static_assert(!kSignedW, "the VNNI path takes unsigned weights");
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
 #else
-  if (kSignedW) x = _mm256_sign_epi8(x, w), w = _mm256_abs_epi8(w);  // |w| * (x * sign w) = w * x
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+  return widen16(pairs16<kSignedW>(w, x));
 #endif
 }
 

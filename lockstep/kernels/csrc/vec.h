@@ -158,17 +158,19 @@ inline IV imul(IV a, IV b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mull
 template <int S>
 inline IV ishl(IV a) { return {_mm256_slli_epi32(a.lo, S), _mm256_slli_epi32(a.hi, S)}; }
 inline V itof(IV a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-// maddubs pairs u8 x s8 into saturating int16: fine for weights up to 63 (63 * 127 * 2 < 32767); a signed
-// weight (Q8_0) goes in as |w| against x with w's sign, at most 128 * 127 * 2
-inline __m256i dot4_half(__m256i r, __m256i w, __m256i x, bool signed_w) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if (signed_w) return _mm256_add_epi32(r, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones));
-  return _mm256_add_epi32(r, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+// w0 x0 + w1 x1 per int16 lane (maddubs: u8 x s8, saturating): exact for weights up to 63 (63 * 127 * 2
+// < 32767); a signed weight (Q8_0) goes in as |w| against x with w's sign, at most 128 * 127 * 2
+template <bool kSignedW>
+inline __m256i pairs16(__m256i w, __m256i x) {
+  if constexpr (kSignedW) return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_maddubs_epi16(w, x);
 }
+// int16 pair sums -> int32 sums of 4 (one madd)
+inline __m256i widen16(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 template <bool kSignedW>
 inline void dot4(IV& r, IV w, IV x) {
-  r.lo = dot4_half(r.lo, w.lo, x.lo, kSignedW);
-  r.hi = dot4_half(r.hi, w.hi, x.hi, kSignedW);
+  r.lo = _mm256_add_epi32(r.lo, widen16(pairs16<kSignedW>(w.lo, x.lo)));
+  r.hi = _mm256_add_epi32(r.hi, widen16(pairs16<kSignedW>(w.hi, x.hi)));
 }
 #endif
 
