@@ -43,11 +43,12 @@ def _linear(lin: nn.Module) -> tuple[list[torch.Tensor], list[int], list[int]] |
 def plan(layer: nn.Module) -> tuple[Any, ...] | None:
     """The layer's constant arguments of kernels.decoder_layer, or None where the modules must run."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = attn.qkv_proj
+    mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if (not kernels.compiled("decoder_layer") or mlp.down_proj.tp.size != 1 or attn.head_dim % 16
-            or mlp.act not in COMPILED_ACT or qkv._dtype != torch.float32 or qkv._device.type != "cpu"):
+            or mlp.act not in COMPILED_ACT or mods[0]._dtype != torch.float32
+            or mods[0]._device.type != "cpu"):
         return None
-    linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    linears = [_linear(m) for m in mods]
     if any(x is None for x in linears):
         return None
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -56,7 +57,7 @@ def plan(layer: nn.Module) -> tuple[Any, ...] | None:
     return ([n.scale for n in norms], norms[0].eps,
             [w for ws, _, _ in linears for w in ws], [t for _, ts, _ in linears for t in ts],
             [i for _, _, i8 in linears for i in i8], [len(ws) for ws, _, _ in linears],
-            [m.in_features for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)],
+            [m.in_features for m in mods],
             attn.qkv_proj.bias, attn.n_heads, attn.n_kv, attn.head_dim,
             attn.q_norm.scale if attn.qk_norm else None, attn.k_norm.scale if attn.qk_norm else None,
             attn.q_norm.eps if attn.qk_norm else 0.0)
