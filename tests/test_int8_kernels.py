@@ -83,7 +83,9 @@ def test_linear_int8_is_the_reference_bitwise_and_batch_invariant(variant: str, 
     for n in (1, 37):  # one row; rows not a multiple of any tile or panel
         blocks = random_blocks(qtype, n, k, seed=n + 20)
         x = activations(64, k, seed=n)
-        for m in (1, 2, 4, 5, 9, 16, 17, 33, 64):  # W rows in lanes (m <= 4), x rows in lanes: partial, whole, several groups
+        # W rows in lanes (m <= 10, chunks of 4: whole, partial), then x rows in lanes (partial, whole
+        # and several groups)
+        for m in (1, 2, 4, 5, 9, 10, 11, 16, 17, 33, 64):
             xm = x[:m].contiguous()
             assert torch.equal(mod.linear_int8(xm, blocks, qtype, k), linear_int8_reference(xm, blocks, qtype, k))
         assert_batch_invariant(lambda a, b=blocks: mod.linear_int8(a.contiguous(), b, qtype, k), x[:32])

@@ -218,10 +218,12 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
 // Up to kRowLanesMaxM rows (small decode batches) x goes over each 16-row W tile in chunks of kRowChunk
 // rows: the tile's blocks come from memory once and stay in L1/L2 for the later chunks (a tile of the
 // default GGUF's widest rows, 16 x 2048 Q6_K, is 27 KiB), where a chunk re-decodes them in registers.
-// Measured on AVX2 (docs/benchmarks.md): at 5 rows 0.7x the x-in-lanes panels' time on the 262k head,
-// even at 9, and from about 10 rows on the panels (a fixed cost up to 16 rows) are faster.
+// Measured on AVX2 (docs/benchmarks.md, one thread): at 5 rows 0.7x the x-in-lanes panels' time on the
+// 262k head, 0.78x at 9 (a verify pass of 8 drafts) and 0.86x at 10; the layers' narrower matrices
+// turn to the panels (a fixed cost up to 16 rows) a little sooner, the head at 12: 10 is a whole step's
+// crossover.
 constexpr int64_t kRowChunk = 4;
-constexpr int64_t kRowLanesMaxM = 8;
+constexpr int64_t kRowLanesMaxM = 10;
 
 // the 8 lanes of w . x over one block of 32 (w decoded quants, x int8)
 template <bool kSignedW>
@@ -241,6 +243,35 @@ inline void sum_lanes8(const __m256i* v, __m256i& lo, __m256i& hi) {
   // inserts and an extract, not two vperm2i128 (8 uops each on first-generation Zen, 1 on Intel)
   lo = _mm256_inserti128_si256(u0, _mm256_castsi256_si128(u1), 1);
   hi = _mm256_inserti128_si256(u1, _mm256_extracti128_si256(u0, 1), 0);
+}
+
+// Pairs4 (AVX2): a block's maddubs pair sums (w0 x0 + w1 x1) go into the lane tree as int16 and are added
+// twice (8 products) before one madd widens them: exact where 4 pairs fit in int16 (unsigned weights
+// <= 31 against |x| <= 127: 4 x 7874), and a quarter of the madds of widening each leaf first.
+#ifdef LOCKSTEP_AVX512
+template <class Q>
+constexpr bool Pairs4 = false;
+#else
+template <class Q>
+constexpr bool Pairs4 = !Q::kSignedW && !Q::kSplit && Q::kI16Group >= 4;
+#endif
+
+// a leaf of the lane tree: w . x over one block of 32, as int16 pairs (Pairs4) or 8 int32 lanes
+template <class Q>
+I8_TARGET inline __m256i tree_leaf(__m256i w, __m256i x) {
+#ifndef LOCKSTEP_AVX512
+  if constexpr (Pairs4<Q>) return pairs16<false>(w, x);
+#endif
+  return dot32<Q::kSignedW>(w, x);
+}
+
+// p[j] (Pairs4 leaves of W rows j < 8) -> lane j = W row j's whole block sum
+inline __m256i sum_pairs8(const __m256i* p) {
+  const __m256i b0 = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+  const __m256i b1 = _mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7]));
+  const __m256i c0 = widen16(b0), c1 = widen16(b1);  // per 128-bit half: rows 0-3 | rows 4-7
+  return _mm256_add_epi32(_mm256_inserti128_si256(c0, _mm256_castsi256_si128(c1), 1),
+                          _mm256_inserti128_si256(c1, _mm256_extracti128_si256(c0, 1), 0));
 }
 
 inline IV iv_from(__m256i a, __m256i b) {
@@ -280,7 +311,9 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
       _mm_prefetch(reinterpret_cast<const char*>(next[pj] + 64 * pl), _MM_HINT_T0);
       if (++pl == row_lines) pl = 0, ++pj;
     }
+    constexpr bool kPairs4 = Pairs4<Q>;  // whole-block sums from the int16 tree
     __m256i sums[MR][2][2];  // [x row][8-row half][elements 0-15 | 16-31]
+    __m256i whole[MR][2];    // kPairs4: [x row][8-row half]
     for (int h = 0; h < 2; ++h) {
       __m256i v[MR][8];
       UNROLL for (int jj = 0; jj < 8; ++jj) {
@@ -290,15 +323,21 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
         md[j] = mt.d;
         if constexpr (std::is_same_v<T, Q4_K>) mdmin[j] = mt.dmin;
         if constexpr (std::is_same_v<T, Q4_K> || std::is_same_v<T, Q6_K>) ms0[j] = mt.s0, ms1[j] = mt.s1;
-        UNROLL for (int i = 0; i < MR; ++i)
-          v[i][jj] = dot32<Q::kSignedW>(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + 32 * b)));
+        UNROLL for (int i = 0; i < MR; ++i) {
+          v[i][jj] = tree_leaf<Q>(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + 32 * b)));
+        }
       }
-      UNROLL for (int i = 0; i < MR; ++i) sum_lanes8(v[i], sums[i][h][0], sums[i][h][1]);
+      UNROLL for (int i = 0; i < MR; ++i) {
+        if constexpr (kPairs4) whole[i][h] = sum_pairs8(v[i]);
+        else sum_lanes8(v[i], sums[i][h][0], sums[i][h][1]);
+      }
     }
     const WScales ws{vload(md), vload(mdmin), iload(ms0), iload(ms1)};
     UNROLL for (int i = 0; i < MR; ++i) {
       IV r[2];
-      if constexpr (S == 2) {
+      if constexpr (kPairs4) {
+        r[0] = iv_from(whole[i][0], whole[i][1]);
+      } else if constexpr (S == 2) {
         r[0] = iv_from(sums[i][0][0], sums[i][1][0]);
         r[1] = iv_from(sums[i][0][1], sums[i][1][1]);
       } else {
