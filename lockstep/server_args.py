@@ -129,7 +129,11 @@ class ServerArgs:
               "bitwise the same as without it (off by default; docs/benchmarks.md).",
         "speculative decoding", choices=["NGRAM"])
     speculative_num_draft_tokens: int = flag(
-        8, "Most draft tokens one verify pass checks per request.", "speculative decoding", min=1)
+        15, "Most draft tokens one verify pass checks per request (15: a request's verify pass is "
+            "then 16 rows, one group of the CPU int8 kernels, which cost the same for 10 to 16 "
+            "rows; docs/benchmarks.md).", "speculative decoding", min=1)
+    # the windows are narrower than SGLang's 1..12: the drafter's index costs a dict entry per token
+    # and window size, and a one-token match drafts mostly noise
     speculative_ngram_min_match_window_size: int = flag(
         2, "Shortest suffix (tokens) matched to draft.", "speculative decoding", min=1)
     speculative_ngram_max_match_window_size: int = flag(

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class NgramConfig:
-    # SGLang's flags; the windows' defaults are narrower than SGLang's 1..12: the index costs a dict
-    # entry per token and window size, and a one-token match drafts mostly noise.
-    max_draft: int = 8  # --speculative-num-draft-tokens: the most tokens one verify pass checks
-    min_window: int = 2  # --speculative-ngram-min-match-window-size
-    max_window: int = 6  # --speculative-ngram-max-match-window-size
-    capacity: int = 100_000  # --speculative-ngram-capacity: n-grams kept across requests
+    # SGLang's flags (their defaults and reasons: server_args.py)
+    max_draft: int  # --speculative-num-draft-tokens: the most tokens one verify pass checks
+    min_window: int  # --speculative-ngram-min-match-window-size
+    max_window: int  # --speculative-ngram-max-match-window-size
+    capacity: int  # --speculative-ngram-capacity: n-grams kept across requests
 
 
 class TokenIndex:
