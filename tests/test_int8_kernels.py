@@ -126,6 +126,25 @@ def test_panels_and_strided_shards(variant: str) -> None:
                        linear_int8_reference(x[:, :512].contiguous(), shard.contiguous(), "Q4_K", 512))
 
 
+@pytest.mark.parametrize("variant", int8_variant_params())
+def test_fused_parts_are_each_part_bitwise(variant: str) -> None:
+    """A fused layer's parts of three block types (rows not multiples of a tile, one part narrower
+    than a tile, one a strided column slice) in one call: each part's columns are that part's own
+    linear_int8, on the rows path (one parallel region over every part) and on the panels."""
+    mod = compiled(variant)
+    k = 512
+    wide = random_blocks("Q8_0", 70, 2 * k, seed=43)
+    parts = [(random_blocks("Q5_0", 37, k, seed=41), "Q5_0"), (random_blocks("Q4_K", 5, k, seed=42), "Q4_K"),
+             (wide[:, : wide.shape[1] // 2], "Q8_0"), (random_blocks("Q6_K", 64, k, seed=44), "Q6_K")]
+    x = activations(33, k, seed=45)
+    for m in (1, 3, 10, 11, 33):
+        xm = x[:m].contiguous()
+        y = mod.linear_int8_parts(xm, [b for b, _ in parts], [q for _, q in parts], k)
+        own = torch.cat([mod.linear_int8(xm, b, q, k) for b, q in parts], dim=1)
+        ref = torch.cat([linear_int8_reference(xm, b.contiguous(), q, k) for b, q in parts], dim=1)
+        assert torch.equal(y, own) and torch.equal(y, ref), m
+
+
 def test_variants_agree_bitwise() -> None:
     from lockstep.kernels.build import missing_flags
 

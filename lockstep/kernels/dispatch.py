@@ -42,6 +42,7 @@ class Table:
     linear_parts: Kernel
     embedding: Kernel
     linear_int8: Kernel
+    linear_int8_parts: Kernel
     linear_bf16: Kernel
     decode_attention: Kernel
     argmax: Kernel
@@ -100,6 +101,8 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
     }
     if variant == "avx2" or not missing_flags("int8_vnni"):
         ops["linear_int8"] = lambda x, b, kind, k: mod.linear_int8(x.contiguous(), b, kind.code, k)
+        ops["linear_int8_parts"] = lambda x, parts, k: mod.linear_int8_parts(
+            x.contiguous(), [b for b, _ in parts], [kind.code for _, kind in parts], k)
     if variant == "avx512" and not missing_flags("amx_bf16"):
         ops["linear_bf16"] = lambda x, b, kind, k: mod.linear_amx_bf16(
             x.to(torch.bfloat16).contiguous(), b, kind.code, k)
@@ -110,6 +113,7 @@ _TAKES: dict[str, Callable[..., bool]] = {
     "linear": _blocks_fit, "linear_int8": _blocks_fit, "linear_bf16": _blocks_fit,
     "embedding": _blocks_fit,
     "linear_parts": lambda x, parts, k: all(_blocks_fit(x, b, kind, k) for b, kind in parts),
+    "linear_int8_parts": lambda x, parts, k: all(_blocks_fit(x, b, kind, k) for b, kind in parts),
     # head dim: whole vectors of 16
     "decode_attention": lambda q, k_buf, *_: _cpu_f32(q, k_buf) and q.shape[-1] % 16 == 0,
     "argmax": lambda x: _rows(x) and x.shape[1] > 0, "rms_norm": lambda x, w, eps: _rows(x) and _cpu_f32(w),

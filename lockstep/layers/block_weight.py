@@ -122,9 +122,13 @@ def settle(parts: list[BlockWeight], dtype: torch.dtype, device: torch.device,
 
 def matmul_parts(x: torch.Tensor, parts: list[Part]) -> torch.Tensor:
     """x @ (parts stacked by rows)^T, outputs side by side: float32 rows [T, K] times parts that
-    all run the exact kernel in one call (kernels.linear_parts), else one matmul per part."""
-    if x.dtype == torch.float32 and x.dim() == 2 and all(
-            isinstance(p, BlockWeight) and not p.int8_activations for p in parts):
-        return kernels.linear_parts(x, [(p.blocks, p.qtype) for p in parts], parts[0].n_cols)
+    all run the exact kernel, or all the int8 one, in one call (kernels.linear_parts,
+    kernels.linear_int8_parts), else one matmul per part."""
+    if x.dtype == torch.float32 and x.dim() == 2 and all(isinstance(p, BlockWeight) for p in parts):
+        int8 = {p.int8_activations for p in parts}
+        if int8 == {False}:
+            return kernels.linear_parts(x, [(p.blocks, p.qtype) for p in parts], parts[0].n_cols)
+        if int8 == {True}:
+            return kernels.linear_int8_parts(x, [(p.blocks, p.qtype) for p in parts], parts[0].n_cols)
     outs = [block_matmul(x, p) if isinstance(p, BlockWeight) else F.linear(x, p) for p in parts]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -78,6 +78,9 @@ class Compiled:
     def linear_parts(self, x: torch.Tensor, blocks: list[torch.Tensor], qtypes: list[str], k: int) -> torch.Tensor:
         return self.mod.linear_parts(x, blocks, [BlockType(q).code for q in qtypes], k)
 
+    def linear_int8_parts(self, x: torch.Tensor, blocks: list[torch.Tensor], qtypes: list[str], k: int) -> torch.Tensor:
+        return self.mod.linear_int8_parts(x, blocks, [BlockType(q).code for q in qtypes], k)
+
 
 @functools.cache
 def compiled(variant: str) -> Compiled:

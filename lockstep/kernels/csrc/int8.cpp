@@ -176,18 +176,18 @@ inline void decode_panel(const uint8_t* w, int64_t rb, int64_t r0, int64_t rows,
   }
 }
 
-// t[j][i] -> y[x row 16g + i][W row c0 + j] for the rows and lanes that exist
-inline void store_lanes(const float* t, int64_t cols, int64_t lanes, float* y, int64_t n, int64_t g, int64_t c0) {
+// t[j][i] -> y[x row 16g + i][W row c0 + j] (y's rows ldy apart) for the rows and lanes that exist
+inline void store_lanes(const float* t, int64_t cols, int64_t lanes, float* y, int64_t ldy, int64_t g, int64_t c0) {
   for (int64_t i = 0; i < lanes; ++i) {
-    float* dst = y + (g * kXLanes + i) * n + c0;
+    float* dst = y + (g * kXLanes + i) * ldy + c0;
     for (int64_t j = 0; j < cols; ++j) dst[j] = t[j * kXLanes + i];
   }
 }
 
 // W row panels [p0, p1) of `prow` rows each against groups [g0, g1) of x
 template <class T>
-I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float* y, int64_t m, int64_t n,
-                           int64_t k, int64_t prow, int64_t p0, int64_t p1, int64_t g0, int64_t g1) {
+I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float* y, int64_t ldy, int64_t m,
+                           int64_t n, int64_t k, int64_t prow, int64_t p0, int64_t p1, int64_t g0, int64_t g1) {
   const int64_t nb = k / 32;
   std::vector<uint8_t> wq(static_cast<size_t>(prow * k), 0);
   std::vector<WMeta> meta(static_cast<size_t>(prow * nb), WMeta{0.0f, 0.0f, 0, 0});
@@ -201,7 +201,7 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
         V out[kI8Rows];
         int8_tile<T, kI8Rows>(&wq[j0 * k], k, &meta[j0 * nb], xp, g, out);
         for (int j = 0; j < kI8Rows; ++j) vstore(t + j * kXLanes, out[j]);
-        store_lanes(t, std::min<int64_t>(kI8Rows, rows - j0), lanes, y, n, g, r0 + j0);
+        store_lanes(t, std::min<int64_t>(kI8Rows, rows - j0), lanes, y, ldy, g, r0 + j0);
       }
     }
   }
@@ -350,10 +350,10 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
   UNROLL for (int i = 0; i < MR; ++i) out[i] = acc[i];
 }
 
-// 16-row W tiles [t0, t1) against all m (<= kRowLanesMaxM) rows of x
+// 16-row W tiles [t0, t1) against all m (<= kRowLanesMaxM) rows of x; y's rows ldy apart
 template <class T>
 I8_TARGET void int8_rows(const uint8_t* w, int64_t rb, const int8_t* xq, const float* dx, const int32_t* bs,
-                         float* y, int64_t m, int64_t n, int64_t k, int64_t t0, int64_t t1) {
+                         float* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t t0, int64_t t1) {
   alignas(64) float t[kXLanes];
   V out[kRowChunk];
   const int64_t nb = k / 32;
@@ -370,7 +370,7 @@ I8_TARGET void int8_rows(const uint8_t* w, int64_t rb, const int8_t* xq, const f
       else rows_tile<T, 4>(w, rb, r0, n, xc, dc, bc, k, out);
       for (int64_t i = 0; i < c; ++i) {
         vstore(t, out[i]);
-        std::memcpy(y + (i0 + i) * n + r0, t, static_cast<size_t>(rows) * sizeof(float));
+        std::memcpy(y + (i0 + i) * ldy + r0, t, static_cast<size_t>(rows) * sizeof(float));
       }
     }
   }
@@ -385,16 +385,21 @@ bool int8_supported() {
 #endif
 }
 
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t k) {
-  check_blocks(blocks, k);
+// The parts of a fused layer (qkv, gate/up), each of its own block type, side by side in y: x quantized
+// once, and at M <= kRowLanesMaxM one parallel region over every part's tiles (the narrow k and v
+// projections alone would not fill two threads, and each region is a fork and a join).
+at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
+                             const std::vector<int64_t>& types, int64_t k) {
+  TORCH_CHECK(!blocks.empty() && blocks.size() == types.size(), "one block type per part");
+  for (const auto& b : blocks) check_blocks(b, k);
   check_x_f32(x, k);
   TORCH_CHECK(int8_supported(), "the int8 kernels of this variant need AVX-512 VNNI");
-  const int64_t m = x.size(0), n = blocks.size(0), rb = blocks.stride(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const int64_t m = x.size(0), nb = k / 32, parts = static_cast<int64_t>(blocks.size());
+  int64_t n_total = 0;
+  for (const auto& b : blocks) n_total += b.size(0);
+  at::Tensor y = at::empty({m, n_total}, x.options());
+  if (m == 0 || n_total == 0) return y;
   float* yp = y.data_ptr<float>();
-  const int64_t nb = k / 32;
   if (m <= kRowLanesMaxM) {
     std::vector<int8_t> xq(static_cast<size_t>(m * k));
     std::vector<float> dx(static_cast<size_t>(m * nb));
@@ -407,11 +412,21 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
         bs[(r * nb + b) * 2] = sum_i8(q, 16);
         bs[(r * nb + b) * 2 + 1] = sum_i8(q + 16, 16);
       }
-    dispatch_int8(type, [&](auto tag) {
-      using T = decltype(tag);
-      at::parallel_for(0, (n + 15) / 16, 16, [&](int64_t t0, int64_t t1) {
-        int8_rows<T>(w, rb, xq.data(), dx.data(), bs.data(), yp, m, n, k, t0, t1);
-      });
+    std::vector<int64_t> first_tile(static_cast<size_t>(parts) + 1, 0), col(static_cast<size_t>(parts), 0);
+    for (int64_t p = 0; p < parts; ++p) {
+      first_tile[p + 1] = first_tile[p] + (blocks[p].size(0) + 15) / 16;
+      col[p] = p == 0 ? 0 : col[p - 1] + blocks[p - 1].size(0);
+    }
+    at::parallel_for(0, first_tile[parts], 8, [&](int64_t t0, int64_t t1) {
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t lo = std::max(t0, first_tile[p]), hi = std::min(t1, first_tile[p + 1]);
+        if (lo >= hi) continue;
+        const at::Tensor& b = blocks[p];
+        dispatch_int8(types[p], [&](auto tag) {
+          int8_rows<decltype(tag)>(b.data_ptr<uint8_t>(), b.stride(0), xq.data(), dx.data(), bs.data(), yp + col[p],
+                                   n_total, m, b.size(0), k, lo - first_tile[p], hi - first_tile[p]);
+        });
+      }
     });
     return y;
   }
@@ -422,16 +437,26 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   // x in passes of kPassGroups groups (256 rows): a pass's packed blocks stay in L2 while every W panel
   // goes over them; W panels are decoded once per pass (cheap next to 256 rows of dot products)
   constexpr int64_t kPassGroups = 16;
-  dispatch_int8(type, [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t g0 = 0; g0 < xp.groups; g0 += kPassGroups) {
-      const int64_t g1 = std::min(xp.groups, g0 + kPassGroups);
-      at::parallel_for(0, (n + prow - 1) / prow, 1, [&](int64_t p0, int64_t p1) {
-        int8_panels<T>(w, rb, xp, yp, m, n, k, prow, p0, p1, g0, g1);
+  for (int64_t g0 = 0; g0 < xp.groups; g0 += kPassGroups) {
+    const int64_t g1 = std::min(xp.groups, g0 + kPassGroups);
+    int64_t col = 0;
+    for (int64_t p = 0; p < parts; ++p) {
+      const at::Tensor& b = blocks[p];
+      const int64_t n = b.size(0);
+      dispatch_int8(types[p], [&](auto tag) {
+        at::parallel_for(0, (n + prow - 1) / prow, 1, [&](int64_t p0, int64_t p1) {
+          int8_panels<decltype(tag)>(b.data_ptr<uint8_t>(), b.stride(0), xp, yp + col, n_total, m, n, k, prow, p0,
+                                     p1, g0, g1);
+        });
       });
+      col += n;
     }
-  });
+  }
   return y;
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t k) {
+  return linear_int8_parts(x, {blocks}, {type}, k);
 }
 
 // x's int8 quantization alone (q [M, K] int8, d [M, K / 32] float32): what the tests hold against the reference

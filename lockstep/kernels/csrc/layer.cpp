@@ -15,18 +15,24 @@ namespace {
 constexpr int64_t kOwnWeight = -2;  // the layer's own float weight: torch's linear with the bias
 constexpr int64_t kFloatPart = -1;  // a float part beside block parts (dequantized at load)
 
-// block_weight.matmul_parts, then the bias: all-exact block parts in one linear_parts call, else one
-// matmul per part (int8 or exact kernel, torch's for float parts) side by side
+// block_weight.matmul_parts, then the bias: all-exact block parts in one linear_parts call, all-int8 ones
+// in one linear_int8_parts call, else one matmul per part (int8 or exact kernel, torch's for float parts)
 at::Tensor parts_matmul(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& type,
                         const std::vector<int64_t>& int8, int64_t lo, int64_t hi, int64_t k,
                         const c10::optional<at::Tensor>& bias) {
   if (hi - lo == 1 && type[lo] == kOwnWeight) return at::linear(x, w[lo], bias);
-  bool exact = true;
-  for (int64_t i = lo; i < hi; ++i) exact = exact && type[i] >= 0 && !int8[i];
+  bool exact = true, all_int8 = true;
+  for (int64_t i = lo; i < hi; ++i) {
+    exact = exact && type[i] >= 0 && !int8[i];
+    all_int8 = all_int8 && type[i] >= 0 && int8[i];
+  }
+  const std::vector<at::Tensor> ws(w.begin() + lo, w.begin() + hi);
+  const std::vector<int64_t> ts(type.begin() + lo, type.begin() + hi);
   at::Tensor y;
   if (exact) {
-    y = linear_parts(x.contiguous(), std::vector<at::Tensor>(w.begin() + lo, w.begin() + hi),
-                     std::vector<int64_t>(type.begin() + lo, type.begin() + hi), k);
+    y = linear_parts(x.contiguous(), ws, ts, k);
+  } else if (all_int8) {
+    y = linear_int8_parts(x.contiguous(), ws, ts, k);
   } else {
     std::vector<at::Tensor> outs;
     for (int64_t i = lo; i < hi; ++i) {

@@ -17,6 +17,8 @@ at::Tensor linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& bloc
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, int64_t type, int64_t k);
 // int8.cpp: x quantized per block of 32, integer dot products (llama.cpp's arithmetic)
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t k);
+at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
+                             const std::vector<int64_t>& types, int64_t k);
 std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x);
 // attention.cpp: one query per request over the paged KV pool
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,

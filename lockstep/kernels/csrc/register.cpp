@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   def(mod, "linear_parts", &linear_parts);
   def(mod, "embedding", &embedding);
   def(mod, "linear_int8", &linear_int8);
+  def(mod, "linear_int8_parts", &linear_int8_parts);
   def(mod, "quantize_int8", &quantize_int8);
   def(mod, "decode_attention", &decode_attention);
   def(mod, "argmax_rows", &argmax_rows);
