@@ -6,7 +6,7 @@ ids past the tokenizer (a padded LM head) are never allowed."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import llguidance
@@ -45,29 +45,37 @@ class GrammarMatcher:
         return clean_grammar_error(self._m.get_error())
 
 
+def grammar_vocabulary(hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's vocabulary (seconds to build on a 262k vocabulary)."""
+    size = hf_tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=max(size, vocab_size),
+                                        eos_token=sorted(eos_token_ids) or None)
+
+
 class GrammarBackend:
     """Compiles constraints against the rank's fast HF tokenizer (the stop strings' one), caches
-    them, hands out matchers."""
+    them, hands out matchers. `vocabulary` builds the llguidance vocabulary (grammar_vocabulary of
+    the same tokenizer by default; a process with many schedulers of one model passes one it built
+    once)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1,
+                 vocabulary: Callable[[], llguidance.LLTokenizer] | None = None) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.model_vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.num_threads = max(1, num_threads)
+        self._vocabulary = vocabulary or (lambda: grammar_vocabulary(hf_tokenizer, vocab_size, self.eos_token_ids))
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        # Built on the first constrained request: it takes seconds on a 262k vocabulary, and a
-        # server that never sees a constraint should not pay for it at start.
+        # Built on the first constrained request: a server that never sees a constraint should not
+        # pay for it at start.
         if self._tokenizer is None:
-            size = self.hf_tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=max(size, self.model_vocab_size),
-                eos_token=self.eos_token_ids or None)
+            self._tokenizer = self._vocabulary()
         return self._tokenizer
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
@@ -101,14 +109,14 @@ class GrammarBackend:
         return mask
 
 
-def grammar_backend_for(hf_tokenizer: Any, vocab_size: int,
-                        eos_token_ids: Iterable[int]) -> GrammarBackend | None:
+def grammar_backend_for(hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
+                        vocabulary: Callable[[], llguidance.LLTokenizer] | None = None) -> GrammarBackend | None:
     """The backend of a scheduler rank; None when the tokenizer is not a fast (tokenizer.json)
     one: llguidance reads the Rust tokenizer."""
     if not getattr(hf_tokenizer, "is_fast", False):
         return None
     return GrammarBackend(hf_tokenizer, vocab_size, eos_token_ids,
-                          num_threads=torch.get_num_threads())
+                          num_threads=torch.get_num_threads(), vocabulary=vocabulary)
 
 
 def request_matcher(backend: GrammarBackend | None,

@@ -444,8 +444,19 @@ class Scheduler(SchedulerOutputProcessorMixin):
         logger.error(msg)
 
 
+@dataclass(frozen=True)
+class ModelFiles:
+    """What a scheduler reads from its model's files besides the weights. create_scheduler reads
+    them itself unless given these: a process that builds many schedulers of one model (in-process
+    tests) reads them once; every server process reads its own."""
+
+    tokenizer: Any  # the HF tokenizer (stop strings, grammars)
+    stop_token_ids: list[int]
+    grammar_vocabulary: Callable[[], Any]  # the llguidance vocabulary, built on first use
+
+
 def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
-                     strict_integrity: bool = False) -> Scheduler:
+                     strict_integrity: bool = False, files: ModelFiles | None = None) -> Scheduler:
     """Load the model for this rank and build its scheduler; used by every scheduler process
     and by in-process tests alike."""
     from lockstep.configs.model_config import ModelConfig
@@ -456,7 +467,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     from lockstep.model_loader.stop_tokens import stop_token_ids
 
     source = resolve_model(args.model_path)
-    tokenizer = ThreadPoolExecutor(1).submit(load_tokenizer, args)  # stop strings, grammar
+    tokenizer = None if files else ThreadPoolExecutor(1).submit(load_tokenizer, args)  # stop strings, grammar
     model_cfg = ModelConfig.from_hf(source.hf_config)
     runner_cfg = RunnerConfig(
         device=args.device, dtype=resolve_dtype(args.dtype, args.device),
@@ -468,7 +479,12 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     torch.manual_seed(args.random_seed)
     runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
     worker = TpModelWorker(runner, args.micro_batches)
-    eos = stop_token_ids(source.model_dir, model_cfg.eos_token_ids)
-    grammar = grammar_backend_for(tokenizer.result(), model_cfg.vocab_size, eos)
-    return Scheduler(args, worker, eos, strict_integrity, grammar, tokenizer.result())
+    if files is None:
+        eos = stop_token_ids(source.model_dir, model_cfg.eos_token_ids)
+        hf_tokenizer = tokenizer.result()
+        grammar = grammar_backend_for(hf_tokenizer, model_cfg.vocab_size, eos)
+    else:
+        eos, hf_tokenizer = list(files.stop_token_ids), files.tokenizer
+        grammar = grammar_backend_for(hf_tokenizer, model_cfg.vocab_size, eos, files.grammar_vocabulary)
+    return Scheduler(args, worker, eos, strict_integrity, grammar, hf_tokenizer)
 

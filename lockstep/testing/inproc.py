@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lockstep.constrained.backend import GrammarBackend
+from lockstep.constrained.backend import grammar_vocabulary
 from lockstep.core import BaseFinishReason, SamplingParams
 from lockstep.entrypoints.generate_request import GenerateReqInput
-from lockstep.managers.scheduler import Scheduler, create_scheduler
+from lockstep.managers.scheduler import ModelFiles, Scheduler, create_scheduler
 from lockstep.messages import TokenizedGenerateReq
 from lockstep.model_loader.stop_tokens import stop_token_ids as _read_stop_token_ids
 from lockstep.server_args import ServerArgs
@@ -39,69 +37,27 @@ def default_tokenizer() -> Any:
 
 
 @functools.cache
-def _default_stop_token_ids(eos_token_ids: tuple[int, ...]) -> list[int]:
+def _default_model_files() -> ModelFiles:
+    """What every scheduler of the default model reads from its files besides the weights, read
+    once per test process (the same objects each would build from the same files; each server
+    process still reads its own). The grammar vocabulary is built on the first constrained request
+    of any of them (~5 s for the 262k vocabulary) and then shared: it is read-only."""
+    from lockstep.configs.model_config import ModelConfig
     from lockstep.model_loader import resolve_model
 
-    return _read_stop_token_ids(resolve_model(None).model_dir, eos_token_ids)
-
-
-_LLG_TOKENIZERS: dict[tuple[int, tuple[int, ...]], Any] = {}
-
-
-class _SharedVocabularyBackend(GrammarBackend):
-    """A default-model scheduler's grammar backend whose llguidance tokenizer (built on the first
-    constrained request, ~5 s for the 262k vocabulary) is shared by every such backend of the
-    process: it is read-only, built from the same (shared) HF tokenizer, vocabulary size and EOS
-    ids. Everything else (the compiled grammars, the matchers) stays the backend's own."""
-
-    @property
-    def tokenizer(self) -> Any:
-        key = (self.model_vocab_size, tuple(self.eos_token_ids))
-        if key not in _LLG_TOKENIZERS:
-            _LLG_TOKENIZERS[key] = GrammarBackend.tokenizer.fget(self)  # type: ignore[attr-defined]
-        self._tokenizer = _LLG_TOKENIZERS[key]
-        return self._tokenizer
-
-
-@contextlib.contextmanager
-def _default_model_files_read_once(args: ServerArgs) -> Iterator[None]:
-    """While a scheduler of the default model is built in this process, its tokenizer, stop ids
-    and grammar vocabulary come from the first such build (the same objects every scheduler
-    would read from the same files; each server process still loads its own). Any other model
-    loads as it would."""
-    if args.model_path is not None or args.tokenizer_path is not None:
-        yield
-        return
-    from unittest import mock
-
-    from lockstep.detokenizer import incremental_detokenizer
-    from lockstep.managers import scheduler
-    from lockstep.model_loader import stop_tokens
-
-    def stop_ids(_model_dir: Any, eos_token_ids: Any) -> list[int]:
-        return list(_default_stop_token_ids(tuple(eos_token_ids)))
-
-    real_backend_for = scheduler.grammar_backend_for
-
-    def backend_for(hf_tokenizer: Any, vocab_size: int, eos_token_ids: Any) -> Any:
-        backend = real_backend_for(hf_tokenizer, vocab_size, eos_token_ids)
-        if backend is not None:
-            backend.__class__ = _SharedVocabularyBackend
-        return backend
-
-    with mock.patch.object(incremental_detokenizer, "load_tokenizer",
-                           lambda _args: default_tokenizer()), \
-            mock.patch.object(stop_tokens, "stop_token_ids", stop_ids), \
-            mock.patch.object(scheduler, "grammar_backend_for", backend_for):
-        yield
+    source = resolve_model(None)
+    cfg = ModelConfig.from_hf(source.hf_config)
+    stop_ids = _read_stop_token_ids(source.model_dir, cfg.eos_token_ids)
+    vocabulary = functools.cache(lambda: grammar_vocabulary(default_tokenizer(), cfg.vocab_size, stop_ids))
+    return ModelFiles(default_tokenizer(), stop_ids, vocabulary)
 
 
 def make_scheduler(model_path: Any, **overrides: Any) -> Scheduler:
     """model_path None: the default model (its tokenizer read once per process)."""
     path = None if model_path is None else str(model_path)
     args = ServerArgs(model_path=path, dtype=overrides.pop("dtype", "float32"), **overrides)
-    with _default_model_files_read_once(args):
-        return create_scheduler(args, strict_integrity=True)
+    default = args.model_path is None and args.tokenizer_path is None
+    return create_scheduler(args, strict_integrity=True, files=_default_model_files() if default else None)
 
 
 def greedy_req(rid: str, ids: list[int], max_new: int, **kw: Any) -> TokenizedGenerateReq:
