@@ -245,27 +245,37 @@ inline void sum_lanes8(const __m256i* v, __m256i& lo, __m256i& hi) {
   hi = _mm256_inserti128_si256(u1, _mm256_extracti128_si256(u0, 1), 0);
 }
 
-// Pairs4 (AVX2): a block's maddubs pair sums (w0 x0 + w1 x1) go into the lane tree as int16 and are added
-// twice (8 products) before one madd widens them: exact where 4 pairs fit in int16 (unsigned weights
-// <= 31 against |x| <= 127: 4 x 7874), and a quarter of the madds of widening each leaf first.
+// PairsAdd (AVX2): how many of a block's maddubs pair sums (w0 x0 + w1 x1, unsigned w) the lane tree adds
+// in int16 before one madd widens them, as kI16Group bounds it: 4 for weights <= 31 (4 x 7874: a
+// quarter of the madds of widening each leaf first), 2 for Q6_K's <= 63 (2 x 16002: half), 0 for
+// signed Q8_0 (its leaves are widened at once).
 #ifdef LOCKSTEP_AVX512
 template <class Q>
-constexpr bool Pairs4 = false;
+constexpr int PairsAdd = 0;
 #else
 template <class Q>
-constexpr bool Pairs4 = !Q::kSignedW && !Q::kSplit && Q::kI16Group >= 4;
+constexpr int PairsAdd = Q::kSignedW ? 0 : Q::kI16Group >= 4 ? 4 : Q::kI16Group >= 2 ? 2 : 0;
 #endif
 
-// a leaf of the lane tree: w . x over one block of 32, as int16 pairs (Pairs4) or 8 int32 lanes
+// a leaf of the lane tree: w . x over one block of 32, as int16 pairs (PairsAdd) or 8 int32 lanes
 template <class Q>
 I8_TARGET inline __m256i tree_leaf(__m256i w, __m256i x) {
 #ifndef LOCKSTEP_AVX512
-  if constexpr (Pairs4<Q>) return pairs16<false>(w, x);
+  if constexpr (PairsAdd<Q> > 0) return pairs16<false>(w, x);
 #endif
   return dot32<Q::kSignedW>(w, x);
 }
 
-// p[j] (Pairs4 leaves of W rows j < 8) -> lane j = W row j's whole block sum
+// p[j] (PairsAdd >= 2 leaves of W rows j < 8) -> lo: lane j = sum of row j's elements 0-15, hi: 16-31
+inline void sum_pairs8_halves(const __m256i* p, __m256i& lo, __m256i& hi) {
+  __m256i c[4];  // per 128-bit half (elements 0-15 | 16-31): rows 2i, 2i+1 as two int32 sums each
+  UNROLL for (int i = 0; i < 4; ++i) c[i] = widen16(_mm256_hadd_epi16(p[2 * i], p[2 * i + 1]));
+  const __m256i d0 = _mm256_hadd_epi32(c[0], c[1]), d1 = _mm256_hadd_epi32(c[2], c[3]);  // rows 0-3 | 4-7
+  lo = _mm256_inserti128_si256(d0, _mm256_castsi256_si128(d1), 1);
+  hi = _mm256_inserti128_si256(d1, _mm256_extracti128_si256(d0, 1), 0);
+}
+
+// p[j] (PairsAdd 4 leaves of W rows j < 8) -> lane j = W row j's whole block sum
 inline __m256i sum_pairs8(const __m256i* p) {
   const __m256i b0 = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
   const __m256i b1 = _mm256_hadd_epi16(_mm256_hadd_epi16(p[4], p[5]), _mm256_hadd_epi16(p[6], p[7]));
@@ -311,7 +321,7 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
       _mm_prefetch(reinterpret_cast<const char*>(next[pj] + 64 * pl), _MM_HINT_T0);
       if (++pl == row_lines) pl = 0, ++pj;
     }
-    constexpr bool kPairs4 = Pairs4<Q>;  // whole-block sums from the int16 tree
+    constexpr bool kPairs4 = PairsAdd<Q> == 4 && S == 1;  // whole-block sums from the int16 tree
     __m256i sums[MR][2][2];  // [x row][8-row half][elements 0-15 | 16-31]
     __m256i whole[MR][2];    // kPairs4: [x row][8-row half]
     for (int h = 0; h < 2; ++h) {
@@ -329,6 +339,7 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
       }
       UNROLL for (int i = 0; i < MR; ++i) {
         if constexpr (kPairs4) whole[i][h] = sum_pairs8(v[i]);
+        else if constexpr (PairsAdd<Q> >= 2) sum_pairs8_halves(v[i], sums[i][h][0], sums[i][h][1]);
         else sum_lanes8(v[i], sums[i][h][0], sums[i][h][1]);
       }
     }
