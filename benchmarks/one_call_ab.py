@@ -22,7 +22,7 @@ def main() -> None:
     torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
     bench = LockstepBench(None, "auto", batch, 128, 200, 0)
     prompts = [[random.Random(i).randrange(1000, 20000) for _ in range(128)] for i in range(batch)]
-    bench.run(prompts, 8)  # warm-up; builds the one-call plans
+    bench.run(prompts, 8)  # warm-up
     sched = bench.sched
     model = sched.worker.runner.model
     plans = model.one_call_args

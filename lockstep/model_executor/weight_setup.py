@@ -45,6 +45,7 @@ def load_model_weights(model: nn.Module, source: ModelSource, quantization: str 
     dequantized: Counter[str] = Counter()
     for _, m in layers:
         dequantized.update(m.finish_loading(int8_activations))
+    model.after_loading()
     if int8_activations:
         _log_int8(model)
     if not dequantized:

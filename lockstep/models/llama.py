@@ -126,9 +126,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.pp = pp
-        # per layer: kernels.decoder_layer's constant arguments, or None where its modules run
-        self.one_call_args: list[tuple | None] | None = None
         self.start_layer, self.end_layer = partition_layers(cfg.num_layers, pp.size, pp.rank)
+        # per layer: kernels.decoder_layer's constant arguments, or None where its modules run (all
+        # of them until after_loading plans them from the settled weights)
+        self.one_call_args: list[tuple | None] = [None] * (self.end_layer - self.start_layer)
         # A pipeline stage builds only its own layers; the others are empty placeholders so
         # that parameter names keep their checkpoint layer index.
         self.layers = nn.ModuleList(
@@ -147,6 +148,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                             else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype))
 
+    def after_loading(self) -> None:
+        """Once the weights are settled (weight_setup): which layers run in one compiled call, with
+        references to their settled tensors (so a later change of weights needs this again)."""
+        self.one_call_args = [one_call.plan(layer) for layer in self.layers[self.start_layer:self.end_layer]]
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
@@ -157,9 +163,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(fb.input_ids) if self.pp.is_first else hidden_in
         rope = {key: r.cos_sin(fb.positions, h.dtype) for key, r in self.rotary.items()}
         layers = self.layers[self.start_layer:self.end_layer]
-        if self.one_call_args is None:  # the first forward, after loading
-            self.one_call_args = [one_call.plan(layer) for layer in layers]
-        for layer, args in zip(layers, self.one_call_args):
+        for layer, args in zip(layers, self.one_call_args, strict=True):
             h = layer(h, fb, pool, rope) if args is None else one_call.forward(layer, args, h, fb, pool, rope)
         return self.norm(h[fb.logits_indices]) if self.pp.is_last else h
 
