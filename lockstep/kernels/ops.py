@@ -90,9 +90,8 @@ def linear_int8(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) 
 
 
 def linear_int8_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, BlockType]], n_cols: int) -> torch.Tensor:
-    """`linear_int8` of a fused layer's parts (each of its own INT8_QTYPES block type), outputs side by
-    side [M, sum N_i], in one call: x quantized once, one parallel region over every part at small M.
-    Each output element as `linear_int8` computes it. The parts' blocks are checked at load."""
+    """`linear_int8` of a fused layer's parts (each of its own INT8_QTYPES block type) side by side,
+    [M, sum N_i], in one call: x quantized once, one parallel region over every part at small M."""
     _check_x(x, n_cols)
     return table().linear_int8_parts(x, parts, n_cols)
 

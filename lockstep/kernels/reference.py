@@ -33,8 +33,7 @@ linear_int8 = linear_int8_reference
 
 
 def linear_int8_parts(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, BlockType]], n_cols: int) -> torch.Tensor:
-    outs = [linear_int8(x, b, kind, n_cols) for b, kind in parts]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return torch.cat([linear_int8(x, b, kind, n_cols) for b, kind in parts], dim=-1)
 
 
 def linear_bf16(x: torch.Tensor, blocks: torch.Tensor, kind: BlockType, n_cols: int) -> torch.Tensor:

@@ -452,7 +452,7 @@ class ModelFiles:
 
     tokenizer: Any  # the HF tokenizer (stop strings, grammars)
     stop_token_ids: list[int]
-    grammar_vocabulary: Callable[[], Any]  # the llguidance vocabulary, built on first use
+    grammar_vocabulary: Callable[[], Any] | None = None  # builds the llguidance vocabulary (on first use)
 
 
 def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
@@ -480,11 +480,8 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
     worker = TpModelWorker(runner, args.micro_batches)
     if files is None:
-        eos = stop_token_ids(source.model_dir, model_cfg.eos_token_ids)
-        hf_tokenizer = tokenizer.result()
-        grammar = grammar_backend_for(hf_tokenizer, model_cfg.vocab_size, eos)
-    else:
-        eos, hf_tokenizer = list(files.stop_token_ids), files.tokenizer
-        grammar = grammar_backend_for(hf_tokenizer, model_cfg.vocab_size, eos, files.grammar_vocabulary)
-    return Scheduler(args, worker, eos, strict_integrity, grammar, hf_tokenizer)
+        files = ModelFiles(tokenizer.result(), stop_token_ids(source.model_dir, model_cfg.eos_token_ids))
+    eos = list(files.stop_token_ids)
+    grammar = grammar_backend_for(files.tokenizer, model_cfg.vocab_size, eos, files.grammar_vocabulary)
+    return Scheduler(args, worker, eos, strict_integrity, grammar, files.tokenizer)
 
