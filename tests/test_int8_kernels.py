@@ -83,7 +83,7 @@ def test_linear_int8_is_the_reference_bitwise_and_batch_invariant(variant: str, 
     for n in (1, 37):  # one row; rows not a multiple of any tile or panel
         blocks = random_blocks(qtype, n, k, seed=n + 20)
         x = activations(64, k, seed=n)
-        # W rows in lanes (m <= 10, chunks of 4: whole, partial), then x rows in lanes (partial, whole
+        # W rows in lanes (m <= 10 on AVX2, 8 on AVX-512; chunks of 4), then x rows in lanes (partial, whole
         # and several groups)
         for m in (1, 2, 4, 5, 9, 10, 11, 16, 17, 33, 64):
             xm = x[:m].contiguous()

@@ -141,6 +141,21 @@ def test_strided_rows_of_whole_blocks(variant: str) -> None:
     assert torch.equal(y, compiled(variant).linear(x, shard.contiguous(), "Q4_K", 512))
 
 
+@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+def test_every_variant_compiles_on_this_machine(variant: str, tmp_path) -> None:
+    """A variant this CPU runs is built and loaded; one it cannot run is still compiled (syntax and
+    templates, without linking): a change tried on an AVX2 machine must not break the AVX-512 build
+    unseen, nor the reverse."""
+    from lockstep.kernels.build import missing_flags
+    from lockstep.testing.kernels import compile_errors
+
+    if missing_flags(variant):
+        errors = compile_errors(variant, tmp_path)
+        assert not errors, errors[-3000:]
+    else:
+        assert compiled(variant).linear_int8 is not None
+
+
 def test_variants_agree_bitwise() -> None:
     """The AVX2 and AVX-512 builds sum in the same lane order: identical outputs, not just close ones."""
     from lockstep.kernels.build import missing_flags

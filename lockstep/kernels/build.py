@@ -31,10 +31,11 @@ ISA_ENV = "LOCKSTEP_KERNEL_ISA"
 VARIANTS = ("avx512", "avx2")
 CSRC = Path(__file__).parent / "csrc"
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-mfma", "-mf16c"]
-_FLAGS = {
-    "avx2": ["-mavx2"],
-    "avx512": ["-mavx2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DLOCKSTEP_AVX512"],
+CFLAGS = {  # each variant's compiler flags
+    "avx2": [*_COMMON_FLAGS, "-mavx2"],
+    "avx512": [*_COMMON_FLAGS, "-mavx2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DLOCKSTEP_AVX512"],
 }
+
 # what a variant needs from the CPU (names as /proc/cpuinfo spells them)
 REQUIRED_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
@@ -79,7 +80,7 @@ def _build_dir(variant: str) -> tuple[str, Path]:
     key = hashlib.sha256()
     sources = sorted(f for f in CSRC.iterdir() if f.suffix in (".cpp", ".h"))
     for part in (*(f.read_bytes() for f in sources), torch.__version__.encode(), variant.encode(),
-                 " ".join(_COMMON_FLAGS + _FLAGS[variant]).encode(), sys.version.encode()):
+                 " ".join(CFLAGS[variant]).encode(), sys.version.encode()):
         key.update(part)
         key.update(b"\0")
     digest = key.hexdigest()[:16]
@@ -138,7 +139,7 @@ def _compile(variant: str, name: str, build_dir: Path) -> ModuleType:
     try:
         module = cpp_extension.load(
             name=name, sources=[str(f) for f in sorted(CSRC.glob("*.cpp"))],
-            extra_cflags=_COMMON_FLAGS + _FLAGS[variant], extra_ldflags=["-fopenmp"],
+            extra_cflags=CFLAGS[variant], extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir), verbose=False)
     except Exception as e:  # a compiler error, no compiler, no ninja: all mean "serve on torch"
         tail = " | ".join(str(e).strip().splitlines()[-3:])  # the compiler's last words, not the command

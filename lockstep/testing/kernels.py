@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -80,6 +81,29 @@ class Compiled:
 
     def linear_int8_parts(self, x: torch.Tensor, blocks: list[torch.Tensor], qtypes: list[str], k: int) -> torch.Tensor:
         return self.mod.linear_int8_parts(x, blocks, [BlockType(q).code for q in qtypes], k)
+
+
+def compile_errors(variant: str, tmp: Path) -> str:
+    """The compiler's complaints ("" if none) about `variant`'s sources checked without building
+    (-fsyntax-only with its flags, every source in one translation unit so the headers parse once):
+    for a variant this CPU cannot run, which nothing else here builds."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    from lockstep.kernels.build import CFLAGS, CSRC
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    assert cxx is not None, "no C++ compiler on PATH (the kernels' build needs one too)"
+    unit = tmp / f"all_{variant}.cpp"
+    unit.write_text("".join(f'#include "{src}"\n' for src in sorted(CSRC.glob("*.cpp"))))
+    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    run = subprocess.run([cxx, "-fsyntax-only", "-std=c++20", *CFLAGS[variant], "-DTORCH_EXTENSION_NAME=check",
+                          "-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-isystem{p}" for p in includes), str(unit)],
+                         capture_output=True, text=True, check=False)
+    return run.stderr if run.returncode else ""
 
 
 @functools.cache

@@ -221,9 +221,13 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
 // Measured on AVX2 (docs/benchmarks.md, one thread): at 5 rows 0.7x the x-in-lanes panels' time on the
 // 262k head, 0.78x at 9 (a verify pass of 8 drafts) and 0.86x at 10; the layers' narrower matrices
 // turn to the panels (a fixed cost up to 16 rows) a little sooner, the head at 12: 10 is a whole step's
-// crossover.
+// crossover on AVX2. The AVX-512 build keeps 8 until an AVX-512 machine measures its crossover.
 constexpr int64_t kRowChunk = 4;
+#ifdef LOCKSTEP_AVX512
+constexpr int64_t kRowLanesMaxM = 8;
+#else
 constexpr int64_t kRowLanesMaxM = 10;
+#endif
 
 // the 8 lanes of w . x over one block of 32 (w decoded quants, x int8)
 template <bool kSignedW>

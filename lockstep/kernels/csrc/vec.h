@@ -123,6 +123,8 @@ inline __m256i nibbles32(const uint8_t* p) {
 }
 
 // ---------------------------------------------------------------- 16 int32 lanes, per ISA
+// int16 pair sums -> int32 sums of adjacent pairs (one madd; an AVX2 op, in both builds)
+inline __m256i widen16(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 #ifdef LOCKSTEP_AVX512
 struct IV {
   __m512i v;
@@ -165,8 +167,6 @@ inline __m256i pairs16(__m256i w, __m256i x) {
   if constexpr (kSignedW) return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
   return _mm256_maddubs_epi16(w, x);
 }
-// int16 pair sums -> int32 sums of 4 (one madd)
-inline __m256i widen16(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
 template <bool kSignedW>
 inline void dot4(IV& r, IV w, IV x) {
   r.lo = _mm256_add_epi32(r.lo, widen16(pairs16<kSignedW>(w.lo, x.lo)));
