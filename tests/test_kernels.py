@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lockstep.kernels import dequantize, quantize, row_bytes
+from lockstep.kernels.build import VARIANTS
 from lockstep.testing.kernels import (
     assert_batch_invariant,
     compiled,
@@ -141,7 +142,7 @@ def test_strided_rows_of_whole_blocks(variant: str) -> None:
     assert torch.equal(y, compiled(variant).linear(x, shard.contiguous(), "Q4_K", 512))
 
 
-@pytest.mark.parametrize("variant", ["avx512", "avx2"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_compiles_on_this_machine(variant: str, tmp_path) -> None:
     """A variant this CPU runs is built and loaded; one it cannot run is still compiled (syntax and
     templates, without linking): a change tried on an AVX2 machine must not break the AVX-512 build

@@ -410,8 +410,9 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
   check_x_f32(x, k);
   TORCH_CHECK(int8_supported(), "the int8 kernels of this variant need AVX-512 VNNI");
   const int64_t m = x.size(0), nb = k / 32, parts = static_cast<int64_t>(blocks.size());
-  int64_t n_total = 0;
-  for (const auto& b : blocks) n_total += b.size(0);
+  std::vector<int64_t> col(static_cast<size_t>(parts) + 1, 0);  // part p's first output column
+  for (int64_t p = 0; p < parts; ++p) col[p + 1] = col[p] + blocks[p].size(0);
+  const int64_t n_total = col[parts];
   at::Tensor y = at::empty({m, n_total}, x.options());
   if (m == 0 || n_total == 0) return y;
   float* yp = y.data_ptr<float>();
@@ -427,11 +428,8 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
         bs[(r * nb + b) * 2] = sum_i8(q, 16);
         bs[(r * nb + b) * 2 + 1] = sum_i8(q + 16, 16);
       }
-    std::vector<int64_t> first_tile(static_cast<size_t>(parts) + 1, 0), col(static_cast<size_t>(parts), 0);
-    for (int64_t p = 0; p < parts; ++p) {
-      first_tile[p + 1] = first_tile[p] + (blocks[p].size(0) + 15) / 16;
-      col[p] = p == 0 ? 0 : col[p - 1] + blocks[p - 1].size(0);
-    }
+    std::vector<int64_t> first_tile(static_cast<size_t>(parts) + 1, 0);
+    for (int64_t p = 0; p < parts; ++p) first_tile[p + 1] = first_tile[p] + (blocks[p].size(0) + 15) / 16;
     at::parallel_for(0, first_tile[parts], 8, [&](int64_t t0, int64_t t1) {
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t lo = std::max(t0, first_tile[p]), hi = std::min(t1, first_tile[p + 1]);
@@ -454,17 +452,15 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
   constexpr int64_t kPassGroups = 16;
   for (int64_t g0 = 0; g0 < xp.groups; g0 += kPassGroups) {
     const int64_t g1 = std::min(xp.groups, g0 + kPassGroups);
-    int64_t col = 0;
     for (int64_t p = 0; p < parts; ++p) {
       const at::Tensor& b = blocks[p];
       const int64_t n = b.size(0);
       dispatch_int8(types[p], [&](auto tag) {
         at::parallel_for(0, (n + prow - 1) / prow, 1, [&](int64_t p0, int64_t p1) {
-          int8_panels<decltype(tag)>(b.data_ptr<uint8_t>(), b.stride(0), xp, yp + col, n_total, m, n, k, prow, p0,
-                                     p1, g0, g1);
+          int8_panels<decltype(tag)>(b.data_ptr<uint8_t>(), b.stride(0), xp, yp + col[p], n_total, m, n, k, prow,
+                                     p0, p1, g0, g1);
         });
       });
-      col += n;
     }
   }
   return y;

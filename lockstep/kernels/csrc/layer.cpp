@@ -26,13 +26,11 @@ at::Tensor parts_matmul(const at::Tensor& x, const std::vector<at::Tensor>& w, c
     exact = exact && type[i] >= 0 && !int8[i];
     all_int8 = all_int8 && type[i] >= 0 && int8[i];
   }
-  const std::vector<at::Tensor> ws(w.begin() + lo, w.begin() + hi);
-  const std::vector<int64_t> ts(type.begin() + lo, type.begin() + hi);
   at::Tensor y;
-  if (exact) {
-    y = linear_parts(x.contiguous(), ws, ts, k);
-  } else if (all_int8) {
-    y = linear_int8_parts(x.contiguous(), ws, ts, k);
+  if (exact || all_int8) {
+    const std::vector<at::Tensor> ws(w.begin() + lo, w.begin() + hi);
+    const std::vector<int64_t> ts(type.begin() + lo, type.begin() + hi);
+    y = exact ? linear_parts(x.contiguous(), ws, ts, k) : linear_int8_parts(x.contiguous(), ws, ts, k);
   } else {
     std::vector<at::Tensor> outs;
     for (int64_t i = lo; i < hi; ++i) {
