@@ -15,7 +15,8 @@ import torch
 class BlockType(StrEnum):
     """A GGML block type the kernels read. Its value is GGML's name (so it compares equal to the
     string), `code` GGML's type id: what the compiled kernels switch on (csrc/blocks.h), so a call
-    passes an int, not a name to compare."""
+    passes an int, not a name to compare. Q5_0_U8 is ours, not in any GGUF: Q5_0 unpacked at load
+    for the int8 path (`unpack_q5_0`)."""
 
     F32 = ("F32", 0, 1, 4)
     F16 = ("F16", 1, 1, 2)
@@ -25,6 +26,7 @@ class BlockType(StrEnum):
     Q8_0 = ("Q8_0", 8, 32, 34)
     Q4_K = ("Q4_K", 12, 256, 144)
     Q6_K = ("Q6_K", 14, 256, 210)
+    Q5_0_U8 = ("Q5_0_U8", 106, 32, 34)  # half d, one byte per 5-bit quant: the same values as Q5_0
 
     def __new__(cls, name: str, code: int, per_block: int, nbytes: int) -> BlockType:
         member = str.__new__(cls, name)
@@ -94,6 +96,8 @@ def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
         qh = b[:, 2:6].contiguous().view(torch.int32)  # [B, 1], bit j = high bit of element j
         hi = (qh >> torch.arange(32, dtype=torch.int32)) & 1
         return (_nibbles(b[:, 6:]).to(torch.int32) | (hi << 4)) - 16
+    if qtype == "Q5_0_U8":
+        return b[:, 2:].to(torch.int32) - 16
     if qtype == "Q4_K":
         # 4 chunks of 32 bytes; each gives 32 low nibbles (sub-block 2j) then 32 high (2j+1)
         return _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 256).to(torch.int32)
@@ -118,7 +122,7 @@ def _dequant_blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
         scales = b[:, 192:208].contiguous().view(torch.int8).float()
         d = _f16(b[:, 208:210]).unsqueeze(-1)
         return ((d * scales).unsqueeze(-1) * q.reshape(-1, 16, 16)).reshape(-1, 256)
-    return _f16(b[:, 0:2]).unsqueeze(-1) * q  # Q8_0, Q4_0, Q5_0: d * q
+    return _f16(b[:, 0:2]).unsqueeze(-1) * q  # Q8_0, Q4_0, Q5_0, Q5_0_U8: d * q
 
 
 def dequantize(qtype: str, blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -133,6 +137,16 @@ def dequantize(qtype: str, blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
     if qtype == "BF16":
         return raw.view(torch.bfloat16).float()
     return _dequant_blocks(qtype, raw.reshape(-1, GGML_BLOCKS[qtype][1])).reshape(n, n_cols)
+
+
+def unpack_q5_0(blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """Q5_0 blocks -> Q5_0_U8 blocks of the same values (each 5-bit quant in a byte of its own, after
+    the scale). The int8 kernels read a Q5_0_U8 block with one load where Q5_0 needs its fifth bits
+    spread over the bytes; the weight takes 34 bytes per 32 elements instead of 22."""
+    check_blocks("Q5_0", blocks, n_cols)
+    b = blocks.contiguous().reshape(-1, 22)
+    q = (_int_quants("Q5_0", b) + 16).to(torch.uint8)
+    return torch.cat([b[:, 0:2], q], dim=1).reshape(blocks.shape[0], -1)
 
 
 def _round_away(v: torch.Tensor) -> torch.Tensor:
@@ -197,7 +211,7 @@ def quantize(qtype: str, weight: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- int8 activations (opt-in)
 # The arithmetic of the compiled int8 path (csrc/int8.h), step for step, so the two give the same bits.
-INT8_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K")
+INT8_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8", "Q4_K", "Q6_K")
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,12 +231,12 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _int8_weight(qtype: str, blocks: torch.Tensor, n_cols: int) -> dict[str, torch.Tensor]:
     """A weight's integer quants (int32 [N, K]) and per-32-block scales ([N, K/32]) as the int8 path uses
-    them: w = d * q for Q8_0/Q4_0/Q5_0 (q signed, offset removed); Q4_K keeps its unsigned q with the
+    them: w = d * q for Q8_0/Q4_0/Q5_0/Q5_0_U8 (q signed, offset removed); Q4_K keeps its unsigned q with the
     6-bit scale `sc` and min `mn`; Q6_K's q is signed with two int8 scales per block (`sc` [N, K/32, 2])."""
     n = blocks.shape[0]
     b = blocks.contiguous().reshape(-1, GGML_BLOCKS[qtype][1])
     q = _int_quants(qtype, b).reshape(n, n_cols)
-    if qtype in ("Q8_0", "Q4_0", "Q5_0"):
+    if qtype in ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8"):
         return {"q": q, "d": _f16(b[:, 0:2]).reshape(n, -1)}
     if qtype == "Q4_K":
         sc, mn = _q4_k_scale_min(b[:, 4:16])
