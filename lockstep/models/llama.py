@@ -129,12 +129,13 @@ class LlamaForCausalLM(nn.Module):
         self.start_layer, self.end_layer = partition_layers(cfg.num_layers, pp.size, pp.rank)
         # per layer: kernels.decoder_layer's constant arguments, or None where its modules run (all
         # of them until after_loading plans them from the settled weights)
-        self.one_call_args: list[tuple | None] = [None] * (self.end_layer - self.start_layer)
+        self.one_call_args: list[one_call.Plan | None] = [None] * (self.end_layer - self.start_layer)
         # A pipeline stage builds only its own layers; the others are empty placeholders so
         # that parameter names keep their checkpoint layer index.
         self.layers = nn.ModuleList(
             self.layer_cls(cfg, i, tp, dtype) if self.start_layer <= i < self.end_layer else nn.Identity()
             for i in range(cfg.num_layers))
+        self.stage_layers = list(self.layers)[self.start_layer:self.end_layer]  # sliced once, not per step
         # one rotary per distinct RoPE config; its cos/sin are computed once per forward
         self.rotary = nn.ModuleDict({
             key: RotaryEmbedding(cfg.head_dim, cfg.rope_local if key == "local" else cfg.rope_global)
@@ -151,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     def after_loading(self) -> None:
         """Once the weights are settled (weight_setup): which layers run in one compiled call, with
         references to their settled tensors (so a later change of weights needs this again)."""
-        self.one_call_args = [one_call.plan(layer) for layer in self.layers[self.start_layer:self.end_layer]]
+        self.one_call_args = [one_call.plan(layer) for layer in self.stage_layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -162,9 +163,8 @@ class LlamaForCausalLM(nn.Module):
         stages return every token's hidden state for the next stage."""
         h = self.embed(fb.input_ids) if self.pp.is_first else hidden_in
         rope = {key: r.cos_sin(fb.positions, h.dtype) for key, r in self.rotary.items()}
-        layers = self.layers[self.start_layer:self.end_layer]
-        for layer, args in zip(layers, self.one_call_args, strict=True):
-            h = layer(h, fb, pool, rope) if args is None else one_call.forward(layer, args, h, fb, pool, rope)
+        for layer, p in zip(self.stage_layers, self.one_call_args, strict=True):
+            h = layer(h, fb, pool, rope) if p is None else one_call.forward(p, h, fb, pool, rope)
         return self.norm(h[fb.logits_indices]) if self.pp.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
