@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep.kernels import INT8_QTYPES, dequantize, unpack_q5_0
-from lockstep.kernels.blocks import linear_int8_reference, quantize_int8
+from lockstep.kernels import INT8_QTYPES, dequantize, unpack_for_int8
+from lockstep.kernels.blocks import INT8_UNPACKED, linear_int8_reference, quantize_int8
 from lockstep.testing.kernels import (
     assert_batch_invariant,
     compiled,
@@ -99,13 +99,13 @@ def test_extreme_quants_sum_exactly(variant: str, qtype: str) -> None:
     from lockstep.kernels import GGML_BLOCKS
     from lockstep.testing.kernels import HALF_FIELDS
 
-    stored = "Q5_0" if qtype == "Q5_0_U8" else qtype  # unpacked from the extreme Q5_0 below
+    stored = {v: k for k, v in INT8_UNPACKED.items()}.get(qtype, qtype)  # unpacked from the extreme blocks below
     per, nbytes = GGML_BLOCKS[stored]
     k = 512
     b = torch.full((24 * k // per, nbytes), 0x80 if qtype == "Q8_0" else 0xFF, dtype=torch.uint8)
     off, count = HALF_FIELDS[stored]
     b[:, off:off + 2 * count] = torch.full((b.shape[0], count), 0.01, dtype=torch.float16).view(torch.uint8)
-    blocks = b.reshape(24, -1) if stored == qtype else unpack_q5_0(b.reshape(24, -1), k)
+    blocks = unpack_for_int8(stored, b.reshape(24, -1), k)[1] if stored != qtype else b.reshape(24, -1)
     x = torch.ones(17, k) * 3.0
     x[1::2] *= -1
     for m in (1, 5, 17):  # W blocks as stored, and the x-in-lanes panels
@@ -136,7 +136,7 @@ def test_fused_parts_are_each_part_bitwise(variant: str) -> None:
     k = 512
     wide = random_blocks("Q8_0", 70, 2 * k, seed=43)
     parts = [(random_blocks("Q5_0", 37, k, seed=41), "Q5_0"), (random_blocks("Q5_0_U8", 9, k, seed=46), "Q5_0_U8"),
-             (random_blocks("Q4_K", 5, k, seed=42), "Q4_K"),
+             (random_blocks("Q4_K", 5, k, seed=42), "Q4_K"), (random_blocks("Q4_K_S8", 7, k, seed=47), "Q4_K_S8"),
              (wide[:, : wide.shape[1] // 2], "Q8_0"), (random_blocks("Q6_K", 64, k, seed=44), "Q6_K")]
     x = activations(33, k, seed=45)
     for m in (1, 3, 10, 11, 33):
@@ -148,24 +148,25 @@ def test_fused_parts_are_each_part_bitwise(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", int8_variant_params())
-def test_unpacked_q5_0_is_q5_0_bitwise(variant: str) -> None:
-    """What the int8 path serves for a Q5_0 weight (block_weight.settle unpacks it at load) gives every
-    number the Q5_0 blocks give: dequantized, and through the kernel in both its paths."""
+@pytest.mark.parametrize("stored", sorted(INT8_UNPACKED))
+def test_unpacked_layouts_are_the_stored_type_bitwise(variant: str, stored: str) -> None:
+    """What the int8 path serves for a Q5_0 or Q4_K weight (block_weight.settle unpacks it at load)
+    gives every number the GGUF's blocks give: dequantized, and through the kernel in both its paths."""
     from lockstep.layers.block_weight import BlockWeight, settle
 
     mod = compiled(variant)
-    k = 640
-    q5 = random_blocks("Q5_0", 70, k, seed=50)
-    u8 = unpack_q5_0(q5, k)
-    assert u8.shape == (70, k // 32 * 34) and int(u8.reshape(-1, 34)[:, 2:].max()) <= 31
-    assert torch.equal(dequantize("Q5_0_U8", u8, k), dequantize("Q5_0", q5, k))
+    k = 768
+    raw = random_blocks(stored, 70, k, seed=50)
+    kind, unpacked = unpack_for_int8(stored, raw, k)
+    assert kind == INT8_UNPACKED[stored] and unpacked.shape == (70, k // kind.per_block * kind.nbytes)
+    assert torch.equal(dequantize(kind, unpacked, k), dequantize(stored, raw, k))
     x = activations(17, k, seed=51)
     for m in (1, 4, 10, 11, 17):
         xm = x[:m].contiguous()
-        assert torch.equal(mod.linear_int8(xm, u8, "Q5_0_U8", k), mod.linear_int8(xm, q5, "Q5_0", k)), m
-    (part,), dequantized = settle([BlockWeight(q5, "Q5_0", k)], torch.float32, torch.device("cpu"),
+        assert torch.equal(mod.linear_int8(xm, unpacked, kind, k), mod.linear_int8(xm, raw, stored, k)), m
+    (part,), dequantized = settle([BlockWeight(raw, stored, k)], torch.float32, torch.device("cpu"),
                                   int8_activations=True)
-    assert part.qtype == "Q5_0_U8" and part.int8_activations and torch.equal(part.blocks, u8) and not dequantized
+    assert part.qtype == kind and part.int8_activations and torch.equal(part.blocks, unpacked) and not dequantized
 
 
 def test_variants_agree_bitwise() -> None:
@@ -174,7 +175,7 @@ def test_variants_agree_bitwise() -> None:
     if missing_flags("int8_vnni"):
         pytest.skip(f"this CPU lacks {', '.join(missing_flags('int8_vnni'))} for the avx512 int8 path")
     x = activations(21, 768, seed=8)
-    for qtype in ("Q8_0", "Q5_0", "Q5_0_U8", "Q4_0"):
+    for qtype in ("Q8_0", "Q5_0", "Q5_0_U8", "Q4_0", "Q4_K_S8"):
         blocks = random_blocks(qtype, 45, 768, seed=9)
         ys = [compiled(v).linear_int8(x, blocks, qtype, 768) for v in ("avx2", "avx512")]
         assert torch.equal(*ys), qtype
@@ -198,9 +199,9 @@ def test_default_gguf_weights_head_and_a_layer(variant: str, default_gguf) -> No
             w = torch.from_numpy(np.array(t.data))
             xk = activations(18, k, seed=k)
             assert torch.equal(mod.linear_int8(xk, w, qtype, k), linear_int8_reference(xk, w, qtype, k)), t.name
-            if qtype == "Q5_0":  # as the int8 path serves it
-                assert torch.equal(mod.linear_int8(xk, unpack_q5_0(w, k), "Q5_0_U8", k),
-                                   linear_int8_reference(xk, w, qtype, k)), t.name
+            if qtype in INT8_UNPACKED:  # as the int8 path serves it
+                kind, unpacked = unpack_for_int8(qtype, w, k)
+                assert torch.equal(mod.linear_int8(xk, unpacked, kind, k), linear_int8_reference(xk, w, qtype, k)), t.name
 
 
 def test_public_api() -> None:

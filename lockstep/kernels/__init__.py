@@ -14,7 +14,7 @@ from lockstep.kernels.blocks import (
                                   dequantize,
                                   quantize,
                                   row_bytes,
-                                  unpack_q5_0,
+                                  unpack_for_int8,
 )
 from lockstep.kernels.ops import (
                                   act_and_mul,
@@ -39,4 +39,4 @@ from lockstep.kernels.reference import COMPILED_ACTS
 __all__ = ["COMPILED_ACTS", "GGML_BLOCKS", "INT8_QTYPES", "BlockType", "act_and_mul", "add_rms_norm", "argmax",
            "block_type", "compiled", "decode_attention", "decoder_layer", "dequantize", "embedding", "kernel_variant", "linear",
            "linear_bf16", "linear_int8", "linear_int8_parts", "linear_parts", "qk_norm_rope", "quantize", "rms_norm", "rotate",
-           "row_bytes", "unpack_q5_0"]
+           "row_bytes", "unpack_for_int8"]

@@ -15,8 +15,8 @@ import torch
 class BlockType(StrEnum):
     """A GGML block type the kernels read. Its value is GGML's name (so it compares equal to the
     string), `code` GGML's type id: what the compiled kernels switch on (csrc/blocks.h), so a call
-    passes an int, not a name to compare. Q5_0_U8 is ours, not in any GGUF: Q5_0 unpacked at load
-    for the int8 path (`unpack_q5_0`)."""
+    passes an int, not a name to compare. Q5_0_U8 and Q4_K_S8 are ours, in no GGUF: layouts of Q5_0
+    and Q4_K that the int8 path unpacks at load (`unpack_for_int8`), the same values."""
 
     F32 = ("F32", 0, 1, 4)
     F16 = ("F16", 1, 1, 2)
@@ -27,6 +27,7 @@ class BlockType(StrEnum):
     Q4_K = ("Q4_K", 12, 256, 144)
     Q6_K = ("Q6_K", 14, 256, 210)
     Q5_0_U8 = ("Q5_0_U8", 106, 32, 34)  # half d, one byte per 5-bit quant: the same values as Q5_0
+    Q4_K_S8 = ("Q4_K_S8", 112, 256, 152)  # float d, dmin, a byte per 6-bit scale and min, Q4_K's nibbles
 
     def __new__(cls, name: str, code: int, per_block: int, nbytes: int) -> BlockType:
         member = str.__new__(cls, name)
@@ -84,6 +85,14 @@ def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _q4_k_fields(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K or Q4_K_S8 super-blocks [B, bytes] -> d, dmin (float32 [B]), scales, mins (int [B, 8])."""
+    if qtype == "Q4_K":
+        return (_f16(b[:, 0:2]), _f16(b[:, 2:4]), *_q4_k_scale_min(b[:, 4:16]))
+    return (b[:, 0:4].contiguous().view(torch.float32).squeeze(-1), b[:, 4:8].contiguous().view(torch.float32).squeeze(-1),
+            b[:, 8:16], b[:, 16:24])
+
+
 def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
     """uint8 [B, bytes per block] -> the blocks' integer quants, int32 [B, elements per block]:
     signed, offset removed, except Q4_K's (unsigned, its mins separate). Shared by dequantize and
@@ -98,9 +107,9 @@ def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
         return (_nibbles(b[:, 6:]).to(torch.int32) | (hi << 4)) - 16
     if qtype == "Q5_0_U8":
         return b[:, 2:].to(torch.int32) - 16
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q4_K_S8"):
         # 4 chunks of 32 bytes; each gives 32 low nibbles (sub-block 2j) then 32 high (2j+1)
-        return _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 256).to(torch.int32)
+        return _nibbles(b[:, -128:].reshape(-1, 4, 32)).reshape(-1, 256).to(torch.int32)
     if qtype == "Q6_K":
         ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
         low = _nibbles(ql)  # [B, 2, 128]: 32-groups use ql[0:32], ql[32:64] low, then the same high
@@ -112,9 +121,9 @@ def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
 def _dequant_blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
     """uint8 [B, bytes per block] -> float32 [B, elements per block]."""
     q = _int_quants(qtype, b).float()  # exact: every quant is a small integer
-    if qtype == "Q4_K":
-        d, dmin = _f16(b[:, 0:2]).unsqueeze(-1), _f16(b[:, 2:4]).unsqueeze(-1)
-        sc, mn = _q4_k_scale_min(b[:, 4:16])
+    if qtype in ("Q4_K", "Q4_K_S8"):
+        d, dmin, sc, mn = _q4_k_fields(qtype, b)
+        d, dmin = d.unsqueeze(-1), dmin.unsqueeze(-1)
         scale = (d * sc.float()).unsqueeze(-1)  # [B, 8, 1]
         off = (dmin * mn.float()).unsqueeze(-1)
         return (scale * q.reshape(-1, 8, 32) - off).reshape(-1, 256)
@@ -139,14 +148,28 @@ def dequantize(qtype: str, blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
     return _dequant_blocks(qtype, raw.reshape(-1, GGML_BLOCKS[qtype][1])).reshape(n, n_cols)
 
 
-def unpack_q5_0(blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """Q5_0 blocks -> Q5_0_U8 blocks of the same values (each 5-bit quant in a byte of its own, after
-    the scale). The int8 kernels read a Q5_0_U8 block with one load where Q5_0 needs its fifth bits
-    spread over the bytes; the weight takes 34 bytes per 32 elements instead of 22."""
-    check_blocks("Q5_0", blocks, n_cols)
-    b = blocks.contiguous().reshape(-1, 22)
-    q = (_int_quants("Q5_0", b) + 16).to(torch.uint8)
-    return torch.cat([b[:, 0:2], q], dim=1).reshape(blocks.shape[0], -1)
+# What the int8 path reads in place of a GGUF type: the same values in a layout its kernels decode with
+# fewer instructions (csrc/blocks.h, measured there), unpacked once at load.
+INT8_UNPACKED = {"Q5_0": "Q5_0_U8", "Q4_K": "Q4_K_S8"}
+
+
+def unpack_for_int8(qtype: str, blocks: torch.Tensor, n_cols: int) -> tuple[BlockType, torch.Tensor]:
+    """(type, blocks) as the int8 path serves a weight: Q5_0 -> Q5_0_U8 (each 5-bit quant in a byte of
+    its own: one load where Q5_0 spreads its fifth bits; 34 bytes per 32 elements instead of 22),
+    Q4_K -> Q4_K_S8 (float32 d and dmin, each 6-bit scale and min in a byte: no unpacking per block;
+    152 bytes per 256 instead of 144); other types as they are. Every value stays the same."""
+    kind = block_type(qtype)
+    if kind not in INT8_UNPACKED:
+        return kind, blocks
+    check_blocks(kind, blocks, n_cols)
+    b = blocks.contiguous().reshape(-1, kind.nbytes)
+    if kind == "Q5_0":
+        fields = [b[:, 0:2], (_int_quants("Q5_0", b) + 16).to(torch.uint8)]
+    else:
+        d, dmin, sc, mn = _q4_k_fields("Q4_K", b)
+        fields = [d.reshape(-1, 1).view(torch.uint8), dmin.reshape(-1, 1).view(torch.uint8),
+                  sc.to(torch.uint8), mn.to(torch.uint8), b[:, 16:]]
+    return BlockType(INT8_UNPACKED[kind]), torch.cat(fields, dim=1).reshape(blocks.shape[0], -1)
 
 
 def _round_away(v: torch.Tensor) -> torch.Tensor:
@@ -211,7 +234,7 @@ def quantize(qtype: str, weight: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- int8 activations (opt-in)
 # The arithmetic of the compiled int8 path (csrc/int8.h), step for step, so the two give the same bits.
-INT8_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8", "Q4_K", "Q6_K")
+INT8_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8", "Q4_K", "Q4_K_S8", "Q6_K")
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,17 +255,17 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int8_weight(qtype: str, blocks: torch.Tensor, n_cols: int) -> dict[str, torch.Tensor]:
     """A weight's integer quants (int32 [N, K]) and per-32-block scales ([N, K/32]) as the int8 path uses
     them: w = d * q for Q8_0/Q4_0/Q5_0/Q5_0_U8 (q signed, offset removed); Q4_K keeps its unsigned q with the
-    6-bit scale `sc` and min `mn`; Q6_K's q is signed with two int8 scales per block (`sc` [N, K/32, 2])."""
+    6-bit scale `sc` and min `mn` (as Q4_K_S8); Q6_K's q is signed with two int8 scales per block (`sc` [N, K/32, 2])."""
     n = blocks.shape[0]
     b = blocks.contiguous().reshape(-1, GGML_BLOCKS[qtype][1])
     q = _int_quants(qtype, b).reshape(n, n_cols)
     if qtype in ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8"):
         return {"q": q, "d": _f16(b[:, 0:2]).reshape(n, -1)}
-    if qtype == "Q4_K":
-        sc, mn = _q4_k_scale_min(b[:, 4:16])
+    if qtype in ("Q4_K", "Q4_K_S8"):
+        d, dmin, sc, mn = _q4_k_fields(qtype, b)
         rep = lambda t: t.unsqueeze(-1).expand(-1, 8).reshape(n, -1)  # noqa: E731  (per super-block -> per group)
         return {"q": q, "sc": sc.to(torch.int32).reshape(n, -1),
-                "mn": mn.to(torch.int32).reshape(n, -1), "d": rep(_f16(b[:, 0:2])), "dmin": rep(_f16(b[:, 2:4]))}
+                "mn": mn.to(torch.int32).reshape(n, -1), "d": rep(d), "dmin": rep(dmin)}
     # Q6_K (_int_quants raised for a type with no integer quants)
     sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.int32).reshape(n, -1, 2)
     d = _f16(b[:, 208:210]).unsqueeze(-1).expand(-1, 8).reshape(n, -1)
@@ -270,12 +293,12 @@ def linear_int8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_c
         if qtype == "Q6_K":
             isum = (_int_dot(xq[:, :16], wq[:, :16]) * w["sc"][:, blk, 0]
                     + _int_dot(xq[:, 16:], wq[:, 16:]) * w["sc"][:, blk, 1])
-        elif qtype == "Q4_K":
+        elif "mn" in w:  # Q4_K, Q4_K_S8
             isum = _int_dot(xq, wq) * w["sc"][:, blk]
         else:
             isum = _int_dot(xq, wq)
         v = isum.float() * s
-        if qtype == "Q4_K":
+        if "mn" in w:
             mn = xq.to(torch.int64).sum(dim=1, keepdim=True) * w["mn"][:, blk]
             v = v - mn.float() * (dx[:, blk : blk + 1] * w["dmin"][:, blk])
         acc = acc + v

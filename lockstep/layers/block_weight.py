@@ -97,18 +97,16 @@ def settle(parts: list[BlockWeight], dtype: torch.dtype, device: torch.device,
     a kernel serves their type here, else floats dequantized once now; neighbours of one kind
     merged so that a layer whose parts agree runs one matmul. Also the types dequantized.
     With `int8_activations` (float32 on a CPU), integer block types run kernels.linear_int8 (its
-    torch reference gives the same numbers where nothing is compiled), Q5_0 unpacked to Q5_0_U8
-    first (the same numbers, fewer instructions a block); float ones stay exact."""
+    torch reference gives the same numbers where nothing is compiled), Q5_0 and Q4_K unpacked first
+    (kernels.unpack_for_int8: the same numbers, fewer instructions a block); float ones stay exact."""
     settled: list[Part] = []
     dequantized: list[str] = []
     int8 = int8_activations and dtype == torch.float32 and device.type == "cpu"
     for w in parts:
         part: Part = w
-        if int8 and w.qtype == "Q5_0":  # the same values, read with one load (blocks.unpack_q5_0)
-            part = replace(w, blocks=kernels.unpack_q5_0(w.blocks, w.n_cols), qtype=kernels.BlockType.Q5_0_U8,
-                           int8_activations=True)
-        elif int8 and w.qtype in kernels.INT8_QTYPES:
-            part = replace(w, int8_activations=True)
+        if int8 and w.qtype in kernels.INT8_QTYPES:  # in the layout the int8 kernels read fastest
+            kind, blocks = kernels.unpack_for_int8(w.qtype, w.blocks, w.n_cols)
+            part = replace(w, blocks=blocks, qtype=kind, int8_activations=True)
         elif not uses_kernel(w, dtype, device):
             part = w.dequantize().to(device=device, dtype=dtype)
             dequantized.append(w.qtype)

@@ -335,8 +335,7 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
         WMeta mt;
         const __m256i q = Q::quants(row[j], b, mt);
         md[j] = mt.d;
-        if constexpr (std::is_same_v<T, Q4_K>) mdmin[j] = mt.dmin;
-        if constexpr (std::is_same_v<T, Q4_K> || std::is_same_v<T, Q6_K>) ms0[j] = mt.s0, ms1[j] = mt.s1;
+        if constexpr (Q::kIntScales) ms0[j] = mt.s0, ms1[j] = mt.s1, mdmin[j] = mt.dmin;
         UNROLL for (int i = 0; i < MR; ++i) {
           v[i][jj] = tree_leaf<Q>(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + 32 * b)));
         }
