@@ -175,7 +175,7 @@ def test_variants_agree_bitwise() -> None:
     if missing_flags("int8_vnni"):
         pytest.skip(f"this CPU lacks {', '.join(missing_flags('int8_vnni'))} for the avx512 int8 path")
     x = activations(21, 768, seed=8)
-    for qtype in ("Q8_0", "Q5_0", "Q5_0_U8", "Q4_0", "Q4_K_S8"):
+    for qtype in ("Q8_0", "Q5_0", "Q5_0_U8", "Q4_0", "Q4_K_S8", "Q6_K_U8"):
         blocks = random_blocks(qtype, 45, 768, seed=9)
         ys = [compiled(v).linear_int8(x, blocks, qtype, 768) for v in ("avx2", "avx512")]
         assert torch.equal(*ys), qtype

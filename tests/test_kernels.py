@@ -113,7 +113,7 @@ def assert_close_to_reference(y: torch.Tensor, ref: torch.Tensor, k: int) -> Non
 
 
 @pytest.mark.parametrize("variant", variant_params())
-@pytest.mark.parametrize("qtype", [*QTYPES, "Q5_0_U8", "Q4_K_S8"])  # and ours: unpacked at load
+@pytest.mark.parametrize("qtype", [*QTYPES, "Q5_0_U8", "Q4_K_S8", "Q6_K_U8"])  # and ours: unpacked at load
 def test_linear_matches_reference_and_is_batch_invariant(variant: str, qtype: str) -> None:
     mod = compiled(variant)
     k = 512

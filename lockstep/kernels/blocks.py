@@ -15,8 +15,8 @@ import torch
 class BlockType(StrEnum):
     """A GGML block type the kernels read. Its value is GGML's name (so it compares equal to the
     string), `code` GGML's type id: what the compiled kernels switch on (csrc/blocks.h), so a call
-    passes an int, not a name to compare. Q5_0_U8 and Q4_K_S8 are ours, in no GGUF: layouts of Q5_0
-    and Q4_K that the int8 path unpacks at load (`unpack_for_int8`), the same values."""
+    passes an int, not a name to compare. Q5_0_U8, Q4_K_S8 and Q6_K_U8 are ours, in no GGUF: layouts
+    of Q5_0, Q4_K and Q6_K that the int8 path unpacks at load (`unpack_for_int8`), the same values."""
 
     F32 = ("F32", 0, 1, 4)
     F16 = ("F16", 1, 1, 2)
@@ -28,6 +28,7 @@ class BlockType(StrEnum):
     Q6_K = ("Q6_K", 14, 256, 210)
     Q5_0_U8 = ("Q5_0_U8", 106, 32, 34)  # half d, one byte per 5-bit quant: the same values as Q5_0
     Q4_K_S8 = ("Q4_K_S8", 112, 256, 152)  # float d, dmin, a byte per 6-bit scale and min, Q4_K's nibbles
+    Q6_K_U8 = ("Q6_K_U8", 114, 256, 276)  # float d, Q6_K's 16 int8 scales, one byte per 6-bit quant
 
     def __new__(cls, name: str, code: int, per_block: int, nbytes: int) -> BlockType:
         member = str.__new__(cls, name)
@@ -93,6 +94,13 @@ def _q4_k_fields(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
             b[:, 8:16], b[:, 16:24])
 
 
+def _q6_k_fields(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K or Q6_K_U8 super-blocks [B, bytes] -> d (float32 [B]), the 16 scales (int8 [B, 16])."""
+    if qtype == "Q6_K":
+        return _f16(b[:, 208:210]), b[:, 192:208].contiguous().view(torch.int8)
+    return b[:, 0:4].contiguous().view(torch.float32).squeeze(-1), b[:, 4:20].contiguous().view(torch.int8)
+
+
 def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
     """uint8 [B, bytes per block] -> the blocks' integer quants, int32 [B, elements per block]:
     signed, offset removed, except Q4_K's (unsigned, its mins separate). Shared by dequantize and
@@ -115,6 +123,8 @@ def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
         low = _nibbles(ql)  # [B, 2, 128]: 32-groups use ql[0:32], ql[32:64] low, then the same high
         high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)  # [B, 2, 128]
         return ((low | (high << 4)).to(torch.int32) - 32).reshape(-1, 256)
+    if qtype == "Q6_K_U8":
+        return b[:, 20:].to(torch.int32) - 32
     raise ValueError(f"no block dequantization for {qtype}")
 
 
@@ -127,9 +137,9 @@ def _dequant_blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
         scale = (d * sc.float()).unsqueeze(-1)  # [B, 8, 1]
         off = (dmin * mn.float()).unsqueeze(-1)
         return (scale * q.reshape(-1, 8, 32) - off).reshape(-1, 256)
-    if qtype == "Q6_K":
-        scales = b[:, 192:208].contiguous().view(torch.int8).float()
-        d = _f16(b[:, 208:210]).unsqueeze(-1)
+    if qtype in ("Q6_K", "Q6_K_U8"):
+        d, scales = _q6_k_fields(qtype, b)
+        d, scales = d.unsqueeze(-1), scales.float()
         return ((d * scales).unsqueeze(-1) * q.reshape(-1, 16, 16)).reshape(-1, 256)
     return _f16(b[:, 0:2]).unsqueeze(-1) * q  # Q8_0, Q4_0, Q5_0, Q5_0_U8: d * q
 
@@ -150,14 +160,16 @@ def dequantize(qtype: str, blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 # What the int8 path reads in place of a GGUF type: the same values in a layout its kernels decode with
 # fewer instructions (csrc/blocks.h, measured there), unpacked once at load.
-INT8_UNPACKED = {"Q5_0": "Q5_0_U8", "Q4_K": "Q4_K_S8"}
+INT8_UNPACKED = {"Q5_0": "Q5_0_U8", "Q4_K": "Q4_K_S8", "Q6_K": "Q6_K_U8"}
 
 
 def unpack_for_int8(qtype: str, blocks: torch.Tensor, n_cols: int) -> tuple[BlockType, torch.Tensor]:
     """(type, blocks) as the int8 path serves a weight: Q5_0 -> Q5_0_U8 (each 5-bit quant in a byte of
     its own: one load where Q5_0 spreads its fifth bits; 34 bytes per 32 elements instead of 22),
     Q4_K -> Q4_K_S8 (float32 d and dmin, each 6-bit scale and min in a byte: no unpacking per block;
-    152 bytes per 256 instead of 144); other types as they are. Every value stays the same."""
+    152 bytes per 256 instead of 144), Q6_K -> Q6_K_U8 (float32 d, its scales, a byte per 6-bit quant:
+    one load where Q6_K joins two bit fields; 276 bytes per 256 instead of 210); other types as they
+    are. Every value stays the same."""
     kind = block_type(qtype)
     if kind not in INT8_UNPACKED:
         return kind, blocks
@@ -165,10 +177,14 @@ def unpack_for_int8(qtype: str, blocks: torch.Tensor, n_cols: int) -> tuple[Bloc
     b = blocks.contiguous().reshape(-1, kind.nbytes)
     if kind == "Q5_0":
         fields = [b[:, 0:2], (_int_quants("Q5_0", b) + 16).to(torch.uint8)]
-    else:
+    elif kind == "Q4_K":
         d, dmin, sc, mn = _q4_k_fields("Q4_K", b)
         fields = [d.reshape(-1, 1).view(torch.uint8), dmin.reshape(-1, 1).view(torch.uint8),
                   sc.to(torch.uint8), mn.to(torch.uint8), b[:, 16:]]
+    else:
+        d, sc = _q6_k_fields("Q6_K", b)
+        fields = [d.reshape(-1, 1).view(torch.uint8), sc.view(torch.uint8),
+                  (_int_quants("Q6_K", b) + 32).to(torch.uint8)]
     return BlockType(INT8_UNPACKED[kind]), torch.cat(fields, dim=1).reshape(blocks.shape[0], -1)
 
 
@@ -234,7 +250,7 @@ def quantize(qtype: str, weight: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- int8 activations (opt-in)
 # The arithmetic of the compiled int8 path (csrc/int8.h), step for step, so the two give the same bits.
-INT8_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8", "Q4_K", "Q4_K_S8", "Q6_K")
+INT8_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8", "Q4_K", "Q4_K_S8", "Q6_K", "Q6_K_U8")
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,9 +282,10 @@ def _int8_weight(qtype: str, blocks: torch.Tensor, n_cols: int) -> dict[str, tor
         rep = lambda t: t.unsqueeze(-1).expand(-1, 8).reshape(n, -1)  # noqa: E731  (per super-block -> per group)
         return {"q": q, "sc": sc.to(torch.int32).reshape(n, -1),
                 "mn": mn.to(torch.int32).reshape(n, -1), "d": rep(d), "dmin": rep(dmin)}
-    # Q6_K (_int_quants raised for a type with no integer quants)
-    sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.int32).reshape(n, -1, 2)
-    d = _f16(b[:, 208:210]).unsqueeze(-1).expand(-1, 8).reshape(n, -1)
+    # Q6_K, Q6_K_U8 (_int_quants raised for a type with no integer quants)
+    d, sc = _q6_k_fields(qtype, b)
+    sc = sc.to(torch.int32).reshape(n, -1, 2)
+    d = d.unsqueeze(-1).expand(-1, 8).reshape(n, -1)
     return {"q": q, "sc": sc, "d": d}
 
 
@@ -290,7 +307,7 @@ def linear_int8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_c
         cols = slice(32 * blk, 32 * blk + 32)
         xq, wq = q[:, cols], w["q"][:, cols]
         s = dx[:, blk : blk + 1] * w["d"][:, blk]
-        if qtype == "Q6_K":
+        if qtype in ("Q6_K", "Q6_K_U8"):
             isum = (_int_dot(xq[:, :16], wq[:, :16]) * w["sc"][:, blk, 0]
                     + _int_dot(xq[:, 16:], wq[:, 16:]) * w["sc"][:, blk, 1])
         elif "mn" in w:  # Q4_K, Q4_K_S8
