@@ -230,7 +230,7 @@ struct Q6_K {
 // Q6_K unpacked at load for the int8 path: float d, the 16 int8 scales, then each element's 6-bit quant
 // q (0..63) in a byte of its own, in element order (276 bytes per 256 elements instead of 210):
 // w = (d * scale) * (q - 32), the same values, read with one load (measured: a one-row 2048 -> 640
-// product 0.56x Q6_K's time on AVX2, one thread)
+// product 0.56-0.61x Q6_K's time on AVX2, one thread)
 struct Q6_K_U8 {
   static constexpr int kBytes = 35;  // 276 / 8, rounded up (only used to place prefetches)
   static constexpr int kPer = 8;
