@@ -44,7 +44,8 @@ def test_default_model_is_int8_batch_invariant_and_near_float32() -> None:
     # in the last ulp from a full prefill's (on the exact path too); int8 rounding can magnify that.
     sched = make_scheduler(None, max_total_tokens=8192, disable_radix_cache=True, chunked_prefill_size=-1)
     parts = int8_parts(sched.worker.runner.model)
-    assert {p.qtype for p in parts} == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+    # the GGUF's Q8_0 / Q5_0 / Q4_K / Q6_K, as the int8 path serves them (kernels.unpack_for_int8)
+    assert {p.qtype for p in parts} == {"Q8_0", "Q5_0_U8", "Q4_K_S8", "Q6_K_U8"}
     # 18 layers x (qkv, o, gate_up, down): fused parts of one type merge; the tied head is the last
     assert len(parts) >= 18 * 4 + 1
 
