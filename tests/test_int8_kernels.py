@@ -97,9 +97,9 @@ def test_extreme_quants_sum_exactly(variant: str, qtype: str) -> None:
     """Every weight quant at its largest magnitude and every x quant at +-127: the integer sums the
     AVX2 path adds up in int16 before widening (blocks.h, kI16Group) must not overflow."""
     from lockstep.kernels import GGML_BLOCKS
-    from lockstep.testing.kernels import HALF_FIELDS
+    from lockstep.testing.kernels import HALF_FIELDS, UNPACKED_FROM
 
-    stored = {v: k for k, v in INT8_UNPACKED.items()}.get(qtype, qtype)  # unpacked from the extreme blocks below
+    stored = UNPACKED_FROM.get(qtype, qtype)  # unpacked from the extreme blocks below
     per, nbytes = GGML_BLOCKS[stored]
     k = 512
     b = torch.full((24 * k // per, nbytes), 0x80 if qtype == "Q8_0" else 0xFF, dtype=torch.uint8)

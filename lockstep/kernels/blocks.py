@@ -73,6 +73,11 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
+def _f32(b: torch.Tensor) -> torch.Tensor:
+    """[..., 4] uint8 little-endian float32 -> float32 [...] (our unpacked layouts' scales)."""
+    return b.contiguous().view(torch.float32).squeeze(-1)
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[..., n] bytes -> [..., 2n]: all low nibbles, then all high nibbles (the GGML order)."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
@@ -86,19 +91,22 @@ def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+# a GGUF type and the layout the int8 path unpacks it into (unpack_for_int8) share their arithmetic
+_Q4_K_LAYOUTS, _Q6_K_LAYOUTS = ("Q4_K", "Q4_K_S8"), ("Q6_K", "Q6_K_U8")
+
+
 def _q4_k_fields(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q4_K or Q4_K_S8 super-blocks [B, bytes] -> d, dmin (float32 [B]), scales, mins (int [B, 8])."""
     if qtype == "Q4_K":
         return (_f16(b[:, 0:2]), _f16(b[:, 2:4]), *_q4_k_scale_min(b[:, 4:16]))
-    return (b[:, 0:4].contiguous().view(torch.float32).squeeze(-1), b[:, 4:8].contiguous().view(torch.float32).squeeze(-1),
-            b[:, 8:16], b[:, 16:24])
+    return _f32(b[:, 0:4]), _f32(b[:, 4:8]), b[:, 8:16], b[:, 16:24]
 
 
 def _q6_k_fields(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q6_K or Q6_K_U8 super-blocks [B, bytes] -> d (float32 [B]), the 16 scales (int8 [B, 16])."""
     if qtype == "Q6_K":
         return _f16(b[:, 208:210]), b[:, 192:208].contiguous().view(torch.int8)
-    return b[:, 0:4].contiguous().view(torch.float32).squeeze(-1), b[:, 4:20].contiguous().view(torch.int8)
+    return _f32(b[:, 0:4]), b[:, 4:20].contiguous().view(torch.int8)
 
 
 def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
@@ -115,7 +123,7 @@ def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
         return (_nibbles(b[:, 6:]).to(torch.int32) | (hi << 4)) - 16
     if qtype == "Q5_0_U8":
         return b[:, 2:].to(torch.int32) - 16
-    if qtype in ("Q4_K", "Q4_K_S8"):
+    if qtype in _Q4_K_LAYOUTS:
         # 4 chunks of 32 bytes; each gives 32 low nibbles (sub-block 2j) then 32 high (2j+1)
         return _nibbles(b[:, -128:].reshape(-1, 4, 32)).reshape(-1, 256).to(torch.int32)
     if qtype == "Q6_K":
@@ -131,13 +139,13 @@ def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
 def _dequant_blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
     """uint8 [B, bytes per block] -> float32 [B, elements per block]."""
     q = _int_quants(qtype, b).float()  # exact: every quant is a small integer
-    if qtype in ("Q4_K", "Q4_K_S8"):
+    if qtype in _Q4_K_LAYOUTS:
         d, dmin, sc, mn = _q4_k_fields(qtype, b)
         d, dmin = d.unsqueeze(-1), dmin.unsqueeze(-1)
         scale = (d * sc.float()).unsqueeze(-1)  # [B, 8, 1]
         off = (dmin * mn.float()).unsqueeze(-1)
         return (scale * q.reshape(-1, 8, 32) - off).reshape(-1, 256)
-    if qtype in ("Q6_K", "Q6_K_U8"):
+    if qtype in _Q6_K_LAYOUTS:
         d, scales = _q6_k_fields(qtype, b)
         d, scales = d.unsqueeze(-1), scales.float()
         return ((d * scales).unsqueeze(-1) * q.reshape(-1, 16, 16)).reshape(-1, 256)
@@ -277,7 +285,7 @@ def _int8_weight(qtype: str, blocks: torch.Tensor, n_cols: int) -> dict[str, tor
     q = _int_quants(qtype, b).reshape(n, n_cols)
     if qtype in ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8"):
         return {"q": q, "d": _f16(b[:, 0:2]).reshape(n, -1)}
-    if qtype in ("Q4_K", "Q4_K_S8"):
+    if qtype in _Q4_K_LAYOUTS:
         d, dmin, sc, mn = _q4_k_fields(qtype, b)
         rep = lambda t: t.unsqueeze(-1).expand(-1, 8).reshape(n, -1)  # noqa: E731  (per super-block -> per group)
         return {"q": q, "sc": sc.to(torch.int32).reshape(n, -1),
@@ -307,15 +315,15 @@ def linear_int8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_c
         cols = slice(32 * blk, 32 * blk + 32)
         xq, wq = q[:, cols], w["q"][:, cols]
         s = dx[:, blk : blk + 1] * w["d"][:, blk]
-        if qtype in ("Q6_K", "Q6_K_U8"):
+        if qtype in _Q6_K_LAYOUTS:
             isum = (_int_dot(xq[:, :16], wq[:, :16]) * w["sc"][:, blk, 0]
                     + _int_dot(xq[:, 16:], wq[:, 16:]) * w["sc"][:, blk, 1])
-        elif "mn" in w:  # Q4_K, Q4_K_S8
+        elif qtype in _Q4_K_LAYOUTS:
             isum = _int_dot(xq, wq) * w["sc"][:, blk]
         else:
             isum = _int_dot(xq, wq)
         v = isum.float() * s
-        if "mn" in w:
+        if qtype in _Q4_K_LAYOUTS:
             mn = xq.to(torch.int64).sum(dim=1, keepdim=True) * w["mn"][:, blk]
             v = v - mn.float() * (dx[:, blk : blk + 1] * w["dmin"][:, blk])
         acc = acc + v

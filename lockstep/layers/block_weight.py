@@ -97,8 +97,9 @@ def settle(parts: list[BlockWeight], dtype: torch.dtype, device: torch.device,
     a kernel serves their type here, else floats dequantized once now; neighbours of one kind
     merged so that a layer whose parts agree runs one matmul. Also the types dequantized.
     With `int8_activations` (float32 on a CPU), integer block types run kernels.linear_int8 (its
-    torch reference gives the same numbers where nothing is compiled), Q5_0 and Q4_K unpacked first
-    (kernels.unpack_for_int8: the same numbers, fewer instructions a block); float ones stay exact."""
+    torch reference gives the same numbers where nothing is compiled), in the layout it reads
+    fastest (kernels.unpack_for_int8: Q5_0, Q4_K and Q6_K unpacked, the same numbers); float ones
+    stay exact."""
     settled: list[Part] = []
     dequantized: list[str] = []
     int8 = int8_activations and dtype == torch.float32 and device.type == "cpu"

@@ -17,6 +17,9 @@ import torch
 from lockstep.kernels import GGML_BLOCKS, BlockType, row_bytes, unpack_for_int8
 from lockstep.kernels.blocks import INT8_UNPACKED
 
+# our unpacked int8 layouts -> the GGUF type each is made from (kernels.unpack_for_int8)
+UNPACKED_FROM = {v: k for k, v in INT8_UNPACKED.items()}
+
 # where each block type keeps its float16 scales: (offset, count) of 2-byte fields
 HALF_FIELDS = {"Q4_0": (0, 1), "Q5_0": (0, 1), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q6_K": (208, 1)}
 
@@ -28,7 +31,7 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
         w = torch.randn(n, k, generator=g)
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype]
         return w.to(dtype).view(torch.uint8).reshape(n, -1).contiguous()
-    stored = {v: k for k, v in INT8_UNPACKED.items()}.get(qtype)
+    stored = UNPACKED_FROM.get(qtype)
     if stored:  # unpacked from random blocks of the GGUF type (Q5_0_U8's quants must stay <= 31)
         return unpack_for_int8(stored, random_blocks(stored, n, k, seed), k)[1]
     per, nbytes = GGML_BLOCKS[qtype]

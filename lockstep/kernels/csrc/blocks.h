@@ -184,9 +184,7 @@ struct Q4_K_S8 {
   using Scales = Q4_K::Scales;
   static void prepare(const uint8_t* row, int64_t sb, Scales& s) {
     const uint8_t* p = row + 152 * sb;
-    float d, dmin;
-    std::memcpy(&d, p, 4);
-    std::memcpy(&dmin, p + 4, 4);
+    const float d = float_at(p), dmin = float_at(p + 4);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16))));
     _mm256_store_ps(s.a, _mm256_mul_ps(_mm256_set1_ps(d), sc));
@@ -237,8 +235,7 @@ struct Q6_K_U8 {
   using Scales = Q6_K::Scales;
   static void prepare(const uint8_t* row, int64_t sb, Scales& s) {
     const uint8_t* p = row + 276 * sb;
-    float d;
-    std::memcpy(&d, p, 4);
+    const float d = float_at(p);
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
     _mm256_store_ps(s.s, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
     _mm256_store_ps(s.s + 8, _mm256_mul_ps(_mm256_set1_ps(d),
@@ -404,10 +401,7 @@ struct I8<Q4_K_S8> : I8<Q4_K> {
   static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
     const uint8_t* p = row + 152 * (b >> 3);
     const int j = static_cast<int>(b & 7);
-    float d, dmin;
-    std::memcpy(&d, p, 4);
-    std::memcpy(&dmin, p + 4, 4);
-    mt = {d, dmin, p[8 + j], p[16 + j]};
+    mt = {float_at(p), float_at(p + 4), p[8 + j], p[16 + j]};
     return I8<Q4_K>::nibbles(p + 24, j);
   }
 };
@@ -441,9 +435,7 @@ struct I8<Q6_K_U8> : I8<Q6_K> {
   static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
     const uint8_t* p = row + 276 * (b >> 3);
     const int j = static_cast<int>(b & 7);
-    float d;
-    std::memcpy(&d, p, 4);
-    mt = {d, 0.0f, static_cast<int8_t>(p[4 + 2 * j]), static_cast<int8_t>(p[5 + 2 * j])};
+    mt = {float_at(p), 0.0f, static_cast<int8_t>(p[4 + 2 * j]), static_cast<int8_t>(p[5 + 2 * j])};
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 20 + 32 * j));  // 0..63, offset 32
   }
 };
@@ -458,8 +450,8 @@ void dispatch(int64_t type, F&& f) {
     case BlockType::Q5_0_U8: return f(Q5_0_U8{});
     case BlockType::Q4_K: return f(Q4_K{});
     case BlockType::Q4_K_S8: return f(Q4_K_S8{});
-    case BlockType::Q6_K_U8: return f(Q6_K_U8{});
     case BlockType::Q6_K: return f(Q6_K{});
+    case BlockType::Q6_K_U8: return f(Q6_K_U8{});
     case BlockType::F16: return f(F16{});
     case BlockType::BF16: return f(BF16{});
     case BlockType::F32: return f(F32{});
@@ -477,8 +469,8 @@ void dispatch_int8(int64_t type, F&& f) {
     case BlockType::Q5_0_U8: return f(Q5_0_U8{});
     case BlockType::Q4_K: return f(Q4_K{});
     case BlockType::Q4_K_S8: return f(Q4_K_S8{});
-    case BlockType::Q6_K_U8: return f(Q6_K_U8{});
     case BlockType::Q6_K: return f(Q6_K{});
+    case BlockType::Q6_K_U8: return f(Q6_K_U8{});
     default: break;
   }
   TORCH_CHECK(false, "lockstep kernels: no int8 kernel for block type id ", type);

@@ -95,6 +95,11 @@ inline float half_at(const uint8_t* p) {
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
 }
+inline float float_at(const uint8_t* p) {  // an unaligned little-endian float32 (our unpacked layouts)
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m128i lo_nibbles(__m128i b) { return _mm_and_si128(b, _mm_set1_epi8(0x0F)); }
 inline __m128i hi_nibbles(__m128i b) { return _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)); }
