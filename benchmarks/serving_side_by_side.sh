@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 7's serving workloads against one server at a time, the same client and prompts for all.
 #   benchmarks/serving_side_by_side.sh KIND ROUND [WORKLOAD ...]
-# KIND: lockstep (default flags: int8 activations where they apply) | lockstep-avx2 (the AVX2 kernels
+# KIND: lockstep (default flags: int8 activations where they apply, NGRAM speculation on a CPU) |
+#       lockstep-nospec (--speculative-algorithm NONE) | lockstep-avx2 (the AVX2 kernels
 #       forced) | lockstep-f32 (--no-int8-activations: the exact float32 path) |
-#       lockstep-bf16 | lockstep-noradix | lockstep-spec (--speculative-algorithm NGRAM) |
+#       lockstep-bf16 | lockstep-noradix |
 #       llama-server | llama-server-SPEC (--spec-type SPEC: ngram-simple, ngram-mod, ngram-map-k,
 #       ngram-cache, as `llama-server --help` lists them) | llama-cpp-python
 # WORKLOAD: wbatch wsingle wprefill wprefix scale (default: all five)
@@ -11,7 +12,7 @@
 # llama-server: -c 98304 -np 32 gives each of its 32 slots 3,072 tokens of context (W-prefill needs 2,056).
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
 # a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
-# EXTRA_ARGS: more flags for a lockstep kind (e.g. EXTRA_ARGS="--no-int8-activations" with lockstep-spec).
+# EXTRA_ARGS: more flags for a lockstep kind (e.g. EXTRA_ARGS="--no-int8-activations").
 # Results: JSON lines appended to $OUT, tagged "KIND|WORKLOAD|ROUND"; server logs in $LOGDIR.
 set -u
 KIND=$1; ROUND=$2; shift 2
@@ -29,7 +30,7 @@ case $KIND in
   lockstep-f32) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --no-int8-activations ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
   lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --dtype bfloat16 ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
   lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
-  lockstep-spec) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --speculative-algorithm NGRAM ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-nospec) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --speculative-algorithm NONE ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
   llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 98304 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
   llama-server-*) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 98304 -np 32 -cb --port "$PORT"
                        --spec-type "${KIND#llama-server-}"); BACKEND=openai ;;

@@ -126,8 +126,11 @@ class ServerArgs:
     speculative_algorithm: str | None = flag(
         None, "NGRAM: each decoding request drafts its next tokens from n-grams of its own prompt "
               "and output (and of recent requests), and one pass verifies them; the output is "
-              "bitwise the same as without it (off by default; docs/benchmarks.md).",
-        "speculative decoding", choices=["NGRAM"])
+              "bitwise the same as without it. NONE: off. Default: NGRAM on cpu, where it measured "
+              "faster for one user and no slower for many (docs/benchmarks.md); off on cuda and "
+              "with --enable-overlap-schedule.",
+        "speculative decoding", choices=["NGRAM", "NONE"],
+        aliases={"--disable-speculative-decoding": "NONE"})
     speculative_num_draft_tokens: int = flag(
         15, "Most draft tokens one verify pass checks per request (15: a request's verify pass is "
             "then 16 rows, one group of the CPU int8 kernels, which cost the same for 10 to 16 "
@@ -197,9 +200,19 @@ class ServerArgs:
         """Whether the schedulers run the overlap loop: on for cuda, off for cpu (where it did not
         pay) unless asked for. Never with pipeline stages (a forward thread would interleave their
         collectives with the scheduler's) or speculation (drafts need the last real tokens)."""
-        if self.pp_size > 1 or self.enable_overlap_schedule is False or self.speculative_algorithm:
+        if self.pp_size > 1 or self.enable_overlap_schedule is False or self.speculation:
             return False
         return self.device == "cuda" or bool(self.enable_overlap_schedule)
+
+    @property
+    def speculation(self) -> str | None:
+        """--speculative-algorithm resolved: NGRAM on a CPU unless asked otherwise (its output is
+        plain decoding's, bit for bit; it measured faster for one user and no slower for many,
+        since only requests whose drafts are taken whole draft in a batch); off on cuda, where
+        the overlap loop is on, and beside an explicit --enable-overlap-schedule."""
+        if self.speculative_algorithm is not None:
+            return None if self.speculative_algorithm == "NONE" else self.speculative_algorithm
+        return "NGRAM" if self.device == "cpu" and not self.enable_overlap_schedule else None
 
     def info(self) -> dict[str, Any]:
         """Every field for /get_server_info and Engine.get_server_info, secrets redacted."""

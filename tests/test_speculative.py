@@ -10,6 +10,7 @@ import random
 from typing import Any
 
 import pytest
+import torch
 
 from lockstep.core import FINISH_MATCHED_STR
 from lockstep.entrypoints.engine import launch_subprocesses
@@ -17,6 +18,7 @@ from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1}
+OFF = {"speculative_algorithm": "NONE"}
 
 
 def _prompts(n: int, seed: int = 0, length: int = 24) -> list[list[int]]:
@@ -33,7 +35,7 @@ def _pair(model_dir: Any, **server: Any) -> tuple[Any, Any]:
     """Two schedulers of one model and settings, speculation off and on. Reused across runs: a
     prefix-cache hit changes no bit either (tests/test_prefix_cache_bitwise.py)."""
     kw = {"max_total_tokens": 4096, "quantization": "q8_0", **server}
-    return make_scheduler(model_dir, **kw), make_scheduler(model_dir, **kw, **SPEC)
+    return make_scheduler(model_dir, **kw, **OFF), make_scheduler(model_dir, **kw, **SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,47 @@ def test_spec_on_gives_the_bits_of_spec_off(arch: str, sampling: dict, pairs) ->
                     for i, p in enumerate(_prompts(4, seed=1))]
     _, verified = _compare(pairs(arch), reqs)
     assert verified > 0  # drafts were made and verified
+
+
+def test_speculation_is_on_by_default_on_a_cpu_and_off_where_asked(tiny_model_dirs) -> None:
+    import argparse
+
+    def parsed(*argv: str) -> ServerArgs:
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        return ServerArgs.from_cli_args(parser.parse_args(list(argv)))
+
+    assert parsed().speculation == "NGRAM"
+    assert parsed("--speculative-algorithm", "NONE").speculation is None
+    assert parsed("--disable-speculative-decoding").speculation is None
+    assert parsed("--enable-overlap-schedule").speculation is None  # the overlap loop asked for
+    assert parsed("--device", "cuda").speculation is None
+    assert parsed("--device", "cuda", "--speculative-algorithm", "NGRAM").speculation == "NGRAM"
+    model_dir = tiny_model_dirs["llama"]
+    assert make_scheduler(model_dir, quantization="q8_0").speculator is not None
+    assert make_scheduler(model_dir, quantization="q8_0", **OFF).speculator is None
+
+
+def test_with_company_only_drafts_taken_whole_draft_again(pairs) -> None:
+    """Alone a request drafts whatever its acceptance (the drafter shortens and pauses it); in a
+    batch of several it drafts once, then only while its drafts are accepted whole: there a
+    draft row costs nearly what a plain step does (speculative.py)."""
+    from lockstep.managers.schedule_batch import Req
+
+    sched = pairs("llama")[1]
+    spec = sched.speculator
+    text = [5, 6, 7, 8, 9] * 4  # repeats: always something to draft
+    reqs = [Req(f"g{i}", list(text), greedy_req("x", [1], 64).sampling_params) for i in range(3)]
+    alloc = lambda n: torch.arange(n)  # noqa: E731  (slots are not the point here)
+    assert spec.draft(reqs, 4096, alloc) is not None
+    assert all(r.draft for r in reqs)  # a first draft each, to find out
+    spec.drafter.observe(reqs[0].spec, len(reqs[0].draft), len(reqs[0].draft))  # taken whole
+    spec.drafter.observe(reqs[1].spec, len(reqs[1].draft), 1)  # partly
+    spec.drafter.observe(reqs[2].spec, len(reqs[2].draft), 0)  # not at all
+    spec.draft(reqs, 4096, alloc)
+    assert [bool(r.draft) for r in reqs] == [True, False, False]
+    spec.draft(reqs[1:2], 4096, alloc)  # alone again: it drafts
+    assert reqs[1].draft
 
 
 SERVER_CASES = {
@@ -111,7 +154,7 @@ def test_features_behave_as_without_speculation(case: str, pairs) -> None:
 @pytest.fixture(scope="module")
 def real_pair() -> tuple[Any, Any]:
     """The default model's pair, speculation off and on, shared by the greedy and seeded case."""
-    return (make_scheduler(None, max_total_tokens=4096),
+    return (make_scheduler(None, max_total_tokens=4096, **OFF),
             make_scheduler(None, max_total_tokens=4096, **SPEC))
 
 

@@ -94,6 +94,7 @@ class DraftState:
     drafted: int = 0  # draft tokens over them
     accepted: int = 0  # ... and how many were accepted
     misses: int = 0  # verify passes in a row that accepted nothing
+    last_whole: bool = True  # the last verified draft was accepted whole (True before any)
 
 
 class NgramDrafter:
@@ -122,6 +123,7 @@ class NgramDrafter:
         state.verify_ct += 1
         state.drafted += drafted
         state.accepted += accepted
+        state.last_whole = accepted == drafted
         if accepted == drafted:
             state.length = min(self.cfg.max_draft, 2 * state.length)
             state.misses, state.backoff = 0, 1

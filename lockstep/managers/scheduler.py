@@ -99,7 +99,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         # start. Request rows freed while a launched batch may still read them are parked
         # (with the launch number they wait for) so no new request reuses them too early.
         self.overlap = args.overlap_schedule
-        self.speculator = Speculator(args) if args.speculative_algorithm else None
+        self.speculator = Speculator(args) if args.speculation else None
         self.worker_client = (TpModelWorkerClient(worker, args.max_running_requests + 1)
                               if self.overlap else None)
         self.inflight: InFlight | None = None

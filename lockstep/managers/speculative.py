@@ -6,8 +6,9 @@ sampled with the noise plain decoding would draw there (step + i); its tokens ar
 up to the first that differs from the draft (`_take_tokens`). On a CPU every row's logits are
 the bits a one-token decode step gives (row-wise linears and norms, one query row per attention
 call), so tokens, logprobs and finishes are bitwise those of plain decoding. Only requests whose
-sampling reads nothing but their logits draft (no penalties, no grammar), in decode batches of
-at most SPEC_MAX_BATCH. Drafts are a pure function of the tokens: every rank drafts alike."""
+sampling reads nothing but their logits draft (no penalties, no grammar); in a batch of several
+(at most SPEC_MAX_BATCH), only those whose last draft was taken whole. Drafts are a pure function
+of the tokens and the batch: every rank drafts alike."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ from lockstep.server_args import ServerArgs
 # On a CPU a decode step's cost is its weight reads up to a few rows and its arithmetic beyond: a
 # batch this large is compute-bound, where a draft's rows cost about what plain steps would.
 SPEC_MAX_BATCH = 4
+# Below it a draft row still costs ~10 ms (the int8 head and layers, EPYC AVX2) beside a plain pass
+# of ~15 + 10 * B ms, so in a batch of B a draft pays only if most of it is accepted (~75% at B = 4):
+# 4 requests on random text drafting what one alone would were 16% slower (docs/benchmarks.md).
+# So with company a request drafts only while its drafts are taken whole (and once to find out).
 
 
 @dataclass
@@ -46,8 +51,11 @@ class Speculator:
         """Set each running request's draft for this step and return the KV slots of the step
         (1 + draft length per request, in order); None, and no drafts, if none was made or the
         pool could not hold them (a draft is never worth retracting a request for)."""
+        alone = len(running) == 1
         for req in running:
-            req.draft = [] if len(running) > SPEC_MAX_BATCH else self._propose(req, max_req_len)
+            whole = req.spec is None or req.spec.last_whole
+            req.draft = (self._propose(req, max_req_len)
+                         if alone or (len(running) <= SPEC_MAX_BATCH and whole) else [])
         drafted = sum(len(r.draft) for r in running)
         loc = alloc(len(running) + drafted) if drafted else None
         if loc is None:
