@@ -94,8 +94,9 @@ def test_speculation_is_on_by_default_on_a_cpu_and_off_where_asked(tiny_model_di
 
 def test_with_company_only_drafts_taken_whole_draft_again(pairs) -> None:
     """Alone a request drafts whatever its acceptance (the drafter shortens and pauses it); in a
-    batch of several it drafts once, then only while its drafts are accepted whole: there a
-    draft row costs nearly what a plain step does (speculative.py)."""
+    batch of several it drafts a short draft first, then only while its drafts are accepted whole
+    (each one twice as long): there a draft row costs nearly what a plain step does."""
+    from lockstep.managers.speculative import FIRST_DRAFT_IN_COMPANY
     from lockstep.managers.schedule_batch import Req
 
     sched = pairs("llama")[1]
@@ -104,12 +105,12 @@ def test_with_company_only_drafts_taken_whole_draft_again(pairs) -> None:
     reqs = [Req(f"g{i}", list(text), greedy_req("x", [1], 64).sampling_params) for i in range(3)]
     alloc = lambda n: torch.arange(n)  # noqa: E731  (slots are not the point here)
     assert spec.draft(reqs, 4096, alloc) is not None
-    assert all(r.draft for r in reqs)  # a first draft each, to find out
+    assert [len(r.draft) for r in reqs] == [FIRST_DRAFT_IN_COMPANY] * 3  # a short one, to find out
     spec.drafter.observe(reqs[0].spec, len(reqs[0].draft), len(reqs[0].draft))  # taken whole
     spec.drafter.observe(reqs[1].spec, len(reqs[1].draft), 1)  # partly
     spec.drafter.observe(reqs[2].spec, len(reqs[2].draft), 0)  # not at all
     spec.draft(reqs, 4096, alloc)
-    assert [bool(r.draft) for r in reqs] == [True, False, False]
+    assert [len(r.draft) for r in reqs] == [2 * FIRST_DRAFT_IN_COMPANY, 0, 0]
     spec.draft(reqs[1:2], 4096, alloc)  # alone again: it drafts
     assert reqs[1].draft
 

@@ -27,7 +27,10 @@ SPEC_MAX_BATCH = 4
 # Below it a draft row still costs ~10 ms (the int8 head and layers, EPYC AVX2) beside a plain pass
 # of ~15 + 10 * B ms, so in a batch of B a draft pays only if most of it is accepted (~75% at B = 4):
 # 4 requests on random text drafting what one alone would were 16% slower (docs/benchmarks.md).
-# So with company a request drafts only while its drafts are taken whole (and once to find out).
+# So with company a request drafts only while its drafts are taken whole, and first drafts
+# FIRST_DRAFT_IN_COMPANY tokens to find out (each draft taken whole doubles the next: ngram_drafter):
+# first drafts of 15 still made 4 such users 12% slower.
+FIRST_DRAFT_IN_COMPANY = 2
 
 
 @dataclass
@@ -51,11 +54,9 @@ class Speculator:
         """Set each running request's draft for this step and return the KV slots of the step
         (1 + draft length per request, in order); None, and no drafts, if none was made or the
         pool could not hold them (a draft is never worth retracting a request for)."""
-        alone = len(running) == 1
+        company = len(running) > 1
         for req in running:
-            whole = req.spec is None or req.spec.last_whole
-            req.draft = (self._propose(req, max_req_len)
-                         if alone or (len(running) <= SPEC_MAX_BATCH and whole) else [])
+            req.draft = self._propose(req, max_req_len, company) if len(running) <= SPEC_MAX_BATCH else []
         drafted = sum(len(r.draft) for r in running)
         loc = alloc(len(running) + drafted) if drafted else None
         if loc is None:
@@ -63,11 +64,16 @@ class Speculator:
                 req.draft = []
         return loc
 
-    def _propose(self, req: Req, max_req_len: int) -> list[int]:
+    def _propose(self, req: Req, max_req_len: int, company: bool) -> list[int]:
         if req.needs_real_outputs:
             return []
         if req.spec is None:
             req.spec = self.drafter.new_state()
+        if company:
+            if req.spec.verify_ct == 0:  # a first draft beside others: a short one, to find out
+                req.spec.length = min(req.spec.length, FIRST_DRAFT_IN_COMPANY)
+            elif not req.spec.last_whole:
+                return []
         p = req.sampling_params
         # Plain decoding would emit at most this many more tokens; this step emits 1 + the draft.
         left = min(p.max_new_tokens - len(req.output_ids), max_req_len - req.seq_len)
