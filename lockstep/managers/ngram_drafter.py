@@ -90,7 +90,9 @@ class DraftState:
     length: int
     pause: int = 0  # decode steps left without drafting
     backoff: int = 1
-    verify_ct: int = 0  # verify passes with a draft (SGLang's spec_verify_ct)
+    # decode steps since it drafts, each a verify pass of 0 or more draft tokens (SGLang's
+    # spec_verify_ct: there every decode step of a speculating server verifies)
+    verify_ct: int = 0
     drafted: int = 0  # draft tokens over them
     accepted: int = 0  # ... and how many were accepted
     misses: int = 0  # verify passes in a row that accepted nothing
@@ -119,8 +121,10 @@ class NgramDrafter:
         return state.index.continuation(k) or self.store.continuation(state.index.tokens, k)
 
     def observe(self, state: DraftState, drafted: int, accepted: int) -> None:
-        """How much of a verified draft was accepted."""
+        """How much of a verified draft was accepted (a decode step without a draft: 0 of 0)."""
         state.verify_ct += 1
+        if not drafted:
+            return
         state.drafted += drafted
         state.accepted += accepted
         state.last_whole = accepted == drafted

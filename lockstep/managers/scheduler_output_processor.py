@@ -87,7 +87,7 @@ class SchedulerOutputProcessorMixin:
             reason = self._check_finished(req, token)
             if reason is not None or s == n - 1 or token != draft[s]:
                 break
-        if draft:
+        if req.spec is not None and req.phase == ReqPhase.DECODE:  # a decode step of a drafter
             self.speculator.verified(req, len(draft), accepted=s)
         self._free_uncached(req)
         return reason

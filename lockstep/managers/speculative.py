@@ -70,7 +70,7 @@ class Speculator:
         if req.spec is None:
             req.spec = self.drafter.new_state()
         if company:
-            if req.spec.verify_ct == 0:  # a first draft beside others: a short one, to find out
+            if req.spec.drafted == 0:  # a first draft beside others: a short one, to find out
                 req.spec.length = min(req.spec.length, FIRST_DRAFT_IN_COMPANY)
             elif not req.spec.last_whole:
                 return []
@@ -80,7 +80,10 @@ class Speculator:
         return self.drafter.propose(req.spec, req.fill_ids, left - 1)
 
     def verified(self, req: Req, drafted: int, accepted: int) -> None:
+        """A decode step of a request that drafts (or may: it has a drafter state) is done."""
         self.drafter.observe(req.spec, drafted, accepted)
+        if not drafted:
+            return
         self.stats.verify_passes += 1
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
