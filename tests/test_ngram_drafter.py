@@ -25,12 +25,15 @@ def test_a_short_suffix_matches_when_a_long_one_does_not() -> None:
     assert index.continuation(3) == [8, 0, 6]  # [6, 7] matched; [0, 6, 7] and longer did not
 
 
-def test_no_draft_from_the_suffix_itself_or_past_the_end() -> None:
+def test_no_draft_from_the_suffix_itself_and_a_loop_drafts_on() -> None:
     index = TokenIndex(CFG)
     index.extend([1, 2])
     assert index.continuation(4) == []  # the only [1, 2] is the suffix
     index.extend([1, 2])
-    assert index.continuation(4) == [1, 2]  # what followed the first [1, 2], up to the end
+    # what followed the first [1, 2] runs into the end: the copy goes on from its own start
+    assert index.continuation(4) == [1, 2, 1, 2]
+    index.extend([7, 8, 9, 1, 2])
+    assert index.continuation(7) == [7, 8, 9, 1, 2, 7, 8]  # a loop of 5 from its last [1, 2]
 
 
 def test_the_store_drafts_across_requests_and_stays_bounded() -> None:

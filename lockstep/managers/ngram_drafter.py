@@ -39,12 +39,18 @@ class TokenIndex:
                 self._ends[key] = (end, last[0] if last else -1)
 
     def continuation(self, k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix's latest earlier occurrence."""
+        """k tokens that followed the longest suffix's latest earlier occurrence. Where they run
+        into the end, the copy goes on from its own start (an LZ77 overlapping copy): text in a
+        loop of p tokens drafts the loop on, not just the p tokens up to the end (greedy decoding
+        that loops drafted one token a pass and gained little)."""
         end = len(self.tokens)
         for n in range(min(self.cfg.max_window, end - 1), self.cfg.min_window - 1, -1):
             hit = self._ends.get(tuple(self.tokens[end - n:end]))
             if hit is not None and hit[1] > 0:
-                return self.tokens[hit[1]:hit[1] + k]
+                draft: list[int] = []
+                for j in range(hit[1], hit[1] + k):
+                    draft.append(self.tokens[j] if j < end else draft[j - end])
+                return draft
         return []
 
 
