@@ -228,7 +228,10 @@ def test_random_stop_strings_match_reference_trim(gemma_tokenizer):
 @pytest.fixture(scope="module")
 @marks("server")
 def server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
+    # Speculation off: the stall test below times the gaps between one-token events, and a
+    # verify pass sends the tokens it accepts in one event.
     srv = LiveServer("--model-path", str(make_tiny_model("qwen2")), "--max-total-tokens", "8192",
+                     "--speculative-algorithm", "NONE",
                      log_dir=tmp_path_factory.mktemp("stop-server"), startup_timeout=300)
     yield srv
     srv.stop()
