@@ -96,8 +96,8 @@ def test_with_company_only_drafts_taken_whole_draft_again(pairs) -> None:
     """Alone a request drafts whatever its acceptance (the drafter shortens and pauses it); in a
     batch of several it drafts a short draft first, then only while its drafts are accepted whole
     (each one twice as long): there a draft row costs nearly what a plain step does."""
-    from lockstep.managers.speculative import FIRST_DRAFT_IN_COMPANY
     from lockstep.managers.schedule_batch import Req
+    from lockstep.managers.speculative import FIRST_DRAFT_IN_COMPANY
 
     sched = pairs("llama")[1]
     spec = sched.speculator
