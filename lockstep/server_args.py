@@ -215,9 +215,13 @@ class ServerArgs:
         return "NGRAM" if self.device == "cpu" and not self.enable_overlap_schedule else None
 
     def info(self) -> dict[str, Any]:
-        """Every field for /get_server_info and Engine.get_server_info, secrets redacted."""
-        return {f.name: "<redacted>" if f.metadata["secret"] and getattr(self, f.name)
+        """Every field for /get_server_info and Engine.get_server_info, secrets redacted. The
+        two fields whose unset value is decided at launch show the decision (as SGLang's
+        post-init resolution does): what runs, not None."""
+        info = {f.name: "<redacted>" if f.metadata["secret"] and getattr(self, f.name)
                 else getattr(self, f.name) for f in fields(self)}
+        info.update(speculative_algorithm=self.speculation, enable_overlap_schedule=self.overlap_schedule)
+        return info
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

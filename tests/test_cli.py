@@ -64,3 +64,12 @@ def test_server_info_lists_every_field_and_hides_the_api_key():
     assert set(info) == {f.name for f in dataclasses.fields(ServerArgs)}
     assert info["api_key"] == "<redacted>" and info["port"] == 8000
     assert ServerArgs().info()["api_key"] is None  # nothing to hide: shown as unset
+
+
+def test_server_info_shows_what_runs_for_the_fields_decided_at_launch():
+    cpu = ServerArgs().info()
+    assert cpu["speculative_algorithm"] == "NGRAM" and cpu["enable_overlap_schedule"] is False
+    cuda = ServerArgs(device="cuda").info()
+    assert cuda["speculative_algorithm"] is None and cuda["enable_overlap_schedule"] is True
+    off = _parse("--speculative-algorithm", "NONE").info()
+    assert off["speculative_algorithm"] is None and off["enable_overlap_schedule"] is False
