@@ -115,6 +115,22 @@ def test_with_company_only_drafts_taken_whole_draft_again(pairs) -> None:
     assert reqs[1].draft
 
 
+def test_a_draft_ends_before_the_first_token_the_grammar_forbids(pairs) -> None:
+    from lockstep.constrained.constraint import constraint_from_fields
+    from lockstep.managers.schedule_batch import Req
+
+    sched = pairs("llama")[1]
+    tok = sched.grammar.hf_tokenizer
+    a, b, x = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "x"))
+    matcher = sched.grammar.matcher(constraint_from_fields(r"(ab){1,3}x?", None, None))
+    # the text so far repeats "a b x": the drafter proposes b x a b ..., the grammar allows b x
+    req = Req("g", [a, b, x, a, b, x, a], greedy_req("x", [1], 64).sampling_params, grammar=matcher)
+    assert matcher.accept(a)
+    sched.speculator.draft([req], 4096, lambda n: torch.arange(n))
+    assert req.draft == [b, x]
+    assert matcher.valid_prefix([b, a, b, a, b, a]) == 5  # (ab){1,3}: three "a b" in all, no fourth "a"
+
+
 SERVER_CASES = {
     "chunked": {"chunked_prefill_size": 8},
     "retraction": {"max_total_tokens": 160, "new_token_ratio": 0.05},  # admits what will not fit
@@ -134,21 +150,22 @@ def test_features_behave_as_without_speculation(case: str, pairs) -> None:
         from lockstep.constrained.constraint import constraint_from_fields
         per_req = {"constraint": constraint_from_fields(r"(ab|cd){3,12}", None, None)}
 
-    def reqs() -> list | dict:
-        out = [greedy_req(f"r{i}", p, 30, return_logprob=True, **per_req)
-               for i, p in enumerate(prompts)]
-        if case == "prefix_hit":  # the same prompts again once the first ones are in the tree
-            return {0: out, 60: [greedy_req(f"again{i}", p, 30, return_logprob=True)
-                                 for i, p in enumerate(prompts)]}
-        return out
+    def reqs() -> dict:
+        # Arriving a few steps apart, each drafts alone at first, then beside the others (with
+        # company only drafts taken whole go on). The same prompts come again once the first
+        # are done: their drafts, from the n-gram store, are taken, and meet every feature.
+        waves = [[greedy_req(f"{w}{i}", p, 60, return_logprob=True, **per_req) for i, p in enumerate(prompts)]
+                 for w in ("r", "again")]
+        return {100 * w + 12 * i: [r] for w, wave in enumerate(waves) for i, r in enumerate(wave)}
 
     pair = pairs("llama", **SERVER_CASES.get(case, {}))
+    accepted = pair[1].speculator.stats.accepted_tokens
     on, verified = _compare(pair, reqs)
-    if case not in ("penalties", "grammar"):  # those requests do not draft
-        assert verified > 0
+    accepted = pair[1].speculator.stats.accepted_tokens - accepted
+    assert verified > 0 and accepted > 0  # drafts were made, and some taken
     if case == "retraction":
         assert pair[1].stats.retractions > 0
-    if case == "prefix_hit":
+    if case == "prefix_hit":  # no other feature: the second wave's prompts are in the tree
         assert all(on[f"again{i}"].cached_tokens > 0 for i in range(len(prompts)))
 
 
@@ -162,15 +179,17 @@ def real_pair() -> tuple[Any, Any]:
 @pytest.mark.real_model
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "seed": 9}], ids=["greedy", "seeded"])
 def test_the_real_model_copies_faster_with_the_same_bits(sampling: dict, real_pair) -> None:
+    from lockstep.constrained.constraint import constraint_from_fields
     from lockstep.testing.corpus import _ENGLISH
     from lockstep.testing.inproc import default_tokenizer
 
     tok = default_tokenizer()
     passage = " ".join(_ENGLISH.splitlines()[3:8])
-    ids = tok(f"<start_of_turn>user\nRepeat this text exactly:\n\n{passage}<end_of_turn>\n"
-              "<start_of_turn>model\n").input_ids
-    req = lambda **kw: greedy_req("r", ids, 80, return_logprob=True, top_logprobs_num=2,  # noqa: E731
-                                  **sampling, **kw)
+    ask = lambda task: tok(f"<start_of_turn>user\n{task}:\n\n{passage}<end_of_turn>\n"  # noqa: E731
+                           "<start_of_turn>model\n").input_ids
+    ids = ask("Repeat this text exactly")
+    req = lambda **kw: greedy_req("r", kw.pop("ids", ids), 80, return_logprob=True,  # noqa: E731
+                                  top_logprobs_num=2, **sampling, **kw)
     pair = real_pair
     for sched in pair:  # each case starts from an empty tree, as a fresh pair would
         assert sched.flush_cache().success
@@ -182,6 +201,13 @@ def test_the_real_model_copies_faster_with_the_same_bits(sampling: dict, real_pa
     stop = text.strip().split(" ")[0] if text.strip() else text
     on, _ = _compare(pair, lambda: [req(stop=[stop])])
     assert isinstance(on["r"].finish_reason, FINISH_MATCHED_STR)
+    # Extraction under a JSON schema: the drafts copy the passage through the grammar's masks.
+    schema = '{"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}'
+    accepted_before = pair[1].speculator.stats.accepted_tokens
+    on, _ = _compare(pair, lambda: [req(ids=ask("Copy this text into JSON"),
+                                        constraint=constraint_from_fields(None, schema, None))])
+    assert tok.decode(on["r"].output_ids).startswith('{"text": "')
+    assert pair[1].speculator.stats.accepted_tokens - accepted_before > 10
 
 
 @pytest.mark.server

@@ -35,6 +35,11 @@ class GrammarMatcher:
         (a limit hit while generating: going on would drop the constraint)."""
         return self._m.consume_token(token) and not self._m.is_error()
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar would accept from here (nothing consumed):
+        a speculative draft is cut before the first token the grammar forbids."""
+        return self._m.validate_tokens(list(tokens)) if tokens else 0
+
     @property
     def is_terminated(self) -> bool:
         """Nothing more may follow (the grammar is complete, or an end token was accepted)."""
@@ -93,19 +98,31 @@ class GrammarBackend:
             self._cache.move_to_end(constraint)
         return GrammarMatcher(proto.deep_copy())
 
-    def fill_masks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
-        """The next-token bitmask of each matcher, one row each, computed in parallel."""
+    def fill_masks(self, matchers: Sequence[GrammarMatcher],
+                   drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """The next-token bitmask of each matcher, computed in parallel: one row each, followed,
+        for a matcher with a speculative draft, by one row per draft token (its mask after
+        the draft up to that token; the grammar must accept the draft: Speculator cuts it)."""
+        drafts = drafts or [()] * len(matchers)
         words = (self.tokenizer.vocab_size + 31) // 32
-        mask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        rows = sum(1 + len(d) for d in drafts)
+        mask = torch.full((rows, words), -1, dtype=torch.int32)
         row_bytes = words * mask.element_size()
-        if len(matchers) == 1:
+        if len(matchers) == 1 and not drafts[0]:
             matchers[0]._m.unsafe_compute_mask_ptr(mask.data_ptr(), row_bytes)
         elif matchers:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=self.num_threads)
-            self._executor.unsafe_compute_mask_ptr(
-                [(m._m, i) for i, m in enumerate(matchers)], mask.data_ptr(), row_bytes,
-                len(matchers))
+            starts = [0]
+            for d in drafts[:-1]:
+                starts.append(starts[-1] + 1 + len(d))
+            plain = [(m._m, i) for m, i, d in zip(matchers, starts, drafts) if not d]
+            drafting = [(m._m, i, list(d)) for m, i, d in zip(matchers, starts, drafts) if d]
+            if plain:
+                self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), row_bytes, rows)
+            if drafting:  # each matcher steps through its draft and is rolled back after
+                self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                    drafting, mask.data_ptr(), row_bytes, rows)
         return mask
 
 

@@ -8,6 +8,7 @@ token still being sampled is `future_token`, a placeholder the next decode step 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -203,17 +204,22 @@ def request_seed(req: Req, base_seed: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-# Computes the next-token bitmask of each matcher (GrammarBackend.fill_masks).
-MaskFiller = Callable[[Sequence[GrammarMatcher]], torch.Tensor]
+# Computes the next-token bitmask of each matcher, and after each token of its draft if it has one
+# (GrammarBackend.fill_masks).
+MaskFiller = Callable[[Sequence[GrammarMatcher], Sequence[Sequence[int]]], torch.Tensor]
 
 
 def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str,
                         fill_masks: MaskFiller | None = None,
                         offsets: Sequence[int] | None = None) -> SamplingBatchInfo:
     """One row per sampled token. `offsets[i]`: row i samples the token that many places after the
-    request's next one (a verify pass's draft positions), so it draws the noise plain decoding
-    would draw there. `fill_masks` is None on ranks that do not sample (stages before the last)."""
+    request's next one (a verify pass's draft positions), so it reads what plain decoding would
+    there: the noise of that step, penalties counting the draft tokens before it, the grammar's
+    mask after them. `fill_masks` is None on ranks that do not sample (stages before the last)."""
     ps = [r.sampling_params for r in reqs]
+    offsets = offsets or [0] * len(reqs)
+    # the tokens generated before each row's position (draft tokens included)
+    outputs = lambda: [r.output_ids + r.draft[:o] for r, o in zip(reqs, offsets)]  # noqa: E731
     f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
     i = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     # top_k past the vocabulary is the same as off (and past int64 it would not fit the tensor).
@@ -222,22 +228,28 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
         temperatures=f([0.0 if p.is_greedy else p.temperature for p in ps]),
         top_ps=f([p.top_p for p in ps]), top_ks=i(top_ks), min_ps=f([p.min_p for p in ps]),
         seeds=i([request_seed(r, base_seed) for r in reqs]),
-        steps=i([r.sampled_len + o for r, o in zip(reqs, offsets or [0] * len(reqs))]),
+        steps=i([r.sampled_len + o for r, o in zip(reqs, offsets)]),
         all_greedy=all(p.is_greedy for p in ps),
         need_filter=any(p.top_p < 1 or k < vocab or p.min_p > 0 for p, k in zip(ps, top_ks)))
     if any(p.frequency_penalty or p.presence_penalty for p in ps):
         info.frequency_penalties = f([p.frequency_penalty for p in ps])
         info.presence_penalties = f([p.presence_penalty for p in ps])
-        info.output_counts = counts_matrix([r.output_ids for r in reqs], vocab, device)
+        info.output_counts = counts_matrix(outputs(), vocab, device)
     if any(p.repetition_penalty != 1.0 for p in ps):
         info.repetition_penalties = f([p.repetition_penalty for p in ps])
-        info.seen_mask = counts_matrix([r.fill_ids for r in reqs], vocab, device) > 0
+        seen = [r.origin_input_ids + out for r, out in zip(reqs, outputs())]
+        info.seen_mask = counts_matrix(seen, vocab, device) > 0
     biased = [(row, {int(t): b for t, b in p.logit_bias.items()}) for row, p in enumerate(ps)
               if p.logit_bias]
     if biased:
         info.logit_bias = [(row, i(list(bias)), f(list(bias.values()))) for row, bias in biased]
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if rows and fill_masks is not None:
-        info.vocab_mask = fill_masks([reqs[i].grammar for i in rows]).to(device)
+        # A request's rows are consecutive (offsets 0..k): its matcher fills them all, stepping
+        # through the draft tokens that precede each.
+        firsts = [i for i in rows if offsets[i] == 0]
+        n_rows = Counter(id(reqs[i]) for i in rows)
+        drafts = [reqs[i].draft[:n_rows[id(reqs[i])] - 1] for i in firsts]
+        info.vocab_mask = fill_masks([reqs[i].grammar for i in firsts], drafts).to(device)
         info.vocab_mask_rows = rows
     return info

@@ -5,10 +5,12 @@ A request with a draft d_1..d_k extends by 1 + k positions (its last token, then
 sampled with the noise plain decoding would draw there (step + i); its tokens are taken in order
 up to the first that differs from the draft (`_take_tokens`). On a CPU every row's logits are
 the bits a one-token decode step gives (row-wise linears and norms, one query row per attention
-call), so tokens, logprobs and finishes are bitwise those of plain decoding. Only requests whose
-sampling reads nothing but their logits draft (no penalties, no grammar); in a batch of several
-(at most SPEC_MAX_BATCH), only those whose last draft was taken whole. Drafts are a pure function
-of the tokens and the batch: every rank drafts alike."""
+call), and each row's sampling reads what plain decoding's would there (penalties count the
+draft tokens before it, a grammar's mask follows them: build_sampling_info), so tokens, logprobs
+and finishes are bitwise those of plain decoding. A draft ends before the first token its
+request's grammar forbids. In a batch of several (at most SPEC_MAX_BATCH), only requests whose
+last draft was taken whole draft. Drafts are a pure function of the tokens and the batch: every
+rank drafts alike."""
 
 from __future__ import annotations
 
@@ -65,8 +67,6 @@ class Speculator:
         return loc
 
     def _propose(self, req: Req, max_req_len: int, company: bool) -> list[int]:
-        if req.needs_real_outputs:
-            return []
         if req.spec is None:
             req.spec = self.drafter.new_state()
         if company:
@@ -77,7 +77,10 @@ class Speculator:
         p = req.sampling_params
         # Plain decoding would emit at most this many more tokens; this step emits 1 + the draft.
         left = min(p.max_new_tokens - len(req.output_ids), max_req_len - req.seq_len)
-        return self.drafter.propose(req.spec, req.fill_ids, left - 1)
+        draft = self.drafter.propose(req.spec, req.fill_ids, left - 1)
+        if req.grammar is not None:  # a token the grammar forbids ends the draft
+            draft = draft[:req.grammar.valid_prefix(draft)]
+        return draft
 
     def verified(self, req: Req, drafted: int, accepted: int) -> None:
         """A decode step of a request that drafts (or may: it has a drafter state) is done."""
