@@ -8,7 +8,8 @@
 #       llama-server | llama-server-SPEC (--spec-type SPEC: ngram-simple, ngram-mod, ngram-map-k,
 #       ngram-cache, as `llama-server --help` lists them) | llama-cpp-python
 # WORKLOAD: wbatch wsingle wprefill wprefix scale (default: all five)
-#   also: wedit (issue 22's W-edit: repeat or lightly edit a passage; where speculation pays)
+#   also: wedit (issue 22's W-edit: repeat or lightly edit a passage; where speculation pays),
+#         wjson (W-edit's passages copied into JSON under a schema: speculation through a grammar)
 # llama-server: -c 98304 -np 32 gives each of its 32 slots 3,072 tokens of context (W-prefill needs 2,056).
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
 # a Python with llama-cpp-python[server] (see docs/benchmarks.md for how they were built).
@@ -52,7 +53,7 @@ gate() { for _ in $(seq 180); do awk -v m="$MAX_LOAD" '{exit !($1 < m)}' /proc/l
 run() {
   local tag=$1; shift; gate
   echo "== $KIND $tag round $ROUND (load $(cut -d' ' -f1 /proc/loadavg))"
-  "$PY" -m lockstep.bench.serving --backend $BACKEND --port "$PORT" --ignore-eos --disable-tqdm \
+  "$PY" -m lockstep.bench.serving --backend $BACKEND --port "$PORT" ${IGNORE_EOS---ignore-eos} --disable-tqdm \
       --output-file "$OUT" --tag "$KIND|$tag|$ROUND" "$@" 2>&1 \
     | grep -E "Successful|Failed req|duration|Output token|Per-user|Median TTFT|Mean TPOT|Median ITL|Prefix cache|Accept length"
 }
@@ -75,6 +76,14 @@ for w in $WORKLOADS; do
     # Issue 22: a ~300-token corpus passage to repeat or lightly edit; the answer copies the prompt.
     wedit) run W-edit --dataset-name edit --num-prompts 6 --edit-passage-len 300 --edit-output-len 256 \
               --max-concurrency 1 --seed 4 ;;
+    # W-edit's passages copied into JSON under a schema (extraction): drafts pass the grammar's
+    # masks. The answer ends when the JSON does (no --ignore-eos: past it only an end token fits).
+    wjson) schema='{"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}'
+           if [ "$BACKEND" = lockstep ]; then  # SGLang's sampling_params.json_schema is a string
+             body=$("$PY" -c 'import json, sys; print(json.dumps({"sampling_params": {"json_schema": sys.argv[1]}}))' "$schema")
+           else body="{\"json_schema\": $schema}"; fi  # llama-server: the schema object
+           IGNORE_EOS= run W-json --dataset-name edit --num-prompts 6 --edit-passage-len 300 --edit-output-len 256 \
+              --max-concurrency 1 --seed 5 --extra-request-body "$body" ;;
     *) echo "unknown workload $w"; exit 2 ;;
   esac
 done
