@@ -213,17 +213,28 @@ def test_the_real_model_copies_faster_with_the_same_bits(sampling: dict, real_pa
 @pytest.mark.server
 @pytest.mark.parametrize("layout", [{"tp_size": 2}, {"pp_size": 2}], ids=["tp2", "pp2"])
 def test_ranks_draft_alike_under_tp_and_pp(layout: dict, tiny_model_dirs, pairs) -> None:
+    """The ranks' fingerprints (checked every step) cover the drafts: plain requests, and ones
+    under a grammar with penalties, whose drafts every rank cuts and verifies alike."""
+    from lockstep.constrained.constraint import constraint_from_fields
+
     model_dir = tiny_model_dirs["llama"]
     prompts = _prompts(4, seed=5)
+    features = {"regex": r"(ab|cd){3,12}", "frequency_penalty": 0.5, "repetition_penalty": 1.2}
     off = run_to_completion(pairs("llama")[0], [greedy_req(f"r{i}", p, 24) for i, p in enumerate(prompts)])
+    off_features = run_to_completion(pairs("llama")[0], [
+        greedy_req(f"f{i}", p, 24, constraint=constraint_from_fields(features["regex"], None, None),
+                   **{k: v for k, v in features.items() if k != "regex"}) for i, p in enumerate(prompts)])
     args = ServerArgs(model_path=str(model_dir), dtype="float32", max_total_tokens=4096,
                       quantization="q8_0", enable_lockstep_check=1, **layout, **SPEC)
     launched = launch_subprocesses(args)
     try:
-        got = generate_through(launched, prompts, 24)
+        # one at a time: alone, each drafts (grammar requests from the store's earlier outputs)
+        got = generate_through(launched, prompts + prompts, 24, concurrent=False,
+                               sampling=[{}] * len(prompts) + [features] * len(prompts))
     finally:
         launched.shutdown()
-    assert got == [off[f"r{i}"].output_ids for i in range(len(prompts))]
+    assert got == ([off[f"r{i}"].output_ids for i in range(len(prompts))]
+                   + [off_features[f"f{i}"].output_ids for i in range(len(prompts))])
 
 
 @pytest.mark.server

@@ -93,23 +93,28 @@ def run_to_completion(sched: Scheduler, schedule: dict[int, list[Any]] | list[An
 
 
 def generate_through(launched: Any, prompts: list[list[int]], max_new: int,
-                     concurrent: bool = True, return_logprob: bool = False) -> list[Any]:
+                     concurrent: bool = True, return_logprob: bool = False,
+                     sampling: list[dict[str, Any]] | None = None) -> list[Any]:
     """Greedy-generate through a launched server's TokenizerManager (real processes, real ZMQ):
-    each prompt's output ids, or with `return_logprob` (ids, their logprobs)."""
+    each prompt's output ids, or with `return_logprob` (ids, their logprobs). `sampling`: more
+    sampling params per prompt (a regex, penalties). Once per launch: the manager's sockets
+    belong to the event loop of its first call."""
     tm = launched.tokenizer_manager
 
-    async def one(prompt: list[int]) -> Any:
+    async def one(prompt: list[int], more: dict[str, Any]) -> Any:
         req = GenerateReqInput(input_ids=prompt, return_logprob=return_logprob, sampling_params={
-            "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}).normalize()[0]
+            "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True, **more}).normalize()[0]
         async for o in tm.generate(req):
             out = o
         if return_logprob:
             return out.output_ids, [lp.logprob for lp in out.output_token_logprobs or []]
         return out.output_ids
 
+    mores = sampling or [{}] * len(prompts)
+
     async def main() -> list[Any]:
         if concurrent:
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-        return [await one(p) for p in prompts]
+            return list(await asyncio.gather(*(one(p, m) for p, m in zip(prompts, mores))))
+        return [await one(p, m) for p, m in zip(prompts, mores)]
 
     return asyncio.run(main())
