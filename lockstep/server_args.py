@@ -220,7 +220,8 @@ class ServerArgs:
         post-init resolution does): what runs, not None."""
         info = {f.name: "<redacted>" if f.metadata["secret"] and getattr(self, f.name)
                 else getattr(self, f.name) for f in fields(self)}
-        info.update(speculative_algorithm=self.speculation, enable_overlap_schedule=self.overlap_schedule)
+        info.update(speculative_algorithm=self.speculation,
+                    enable_overlap_schedule=self.overlap_schedule)
         return info
 
     @staticmethod

@@ -131,6 +131,33 @@ def test_a_draft_ends_before_the_first_token_the_grammar_forbids(pairs) -> None:
     assert matcher.valid_prefix([b, a, b, a, b, a]) == 5  # (ab){1,3}: three "a b" in all, no fourth "a"
 
 
+def test_fill_masks_gives_each_draft_token_its_own_row_and_consumes_nothing(pairs) -> None:
+    from lockstep.constrained.constraint import constraint_from_fields
+
+    backend = pairs("llama")[1].grammar
+    tok = backend.hf_tokenizer
+    a, b, c, d = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "c", "d"))
+    grammar = constraint_from_fields(r"(ab|cd){2,6}", None, None)
+    first, plain, third = (backend.matcher(grammar) for _ in range(3))
+    assert first.accept(a) and third.accept(c)
+    # drafting, plain, drafting: rows are [first, first+b, first+b+c, plain, third, third+d]
+    mask = backend.fill_masks([first, plain, third], [[b, c], [], [d]])
+
+    def alone(prefix: list[int]) -> torch.Tensor:
+        m = backend.matcher(grammar)
+        assert all(m.accept(t) for t in prefix)
+        return backend.fill_masks([m])[0]
+
+    expected = [alone([a]), alone([a, b]), alone([a, b, c]), alone([]), alone([c]), alone([c, d])]
+    assert mask.shape[0] == len(expected)
+    for row, want in zip(mask, expected):
+        assert torch.equal(row, want)
+    assert len({tuple(r.tolist()) for r in expected}) > 2  # the rows differ: the test sees a wrong order
+    # the matchers are where they were: the draft went through copies
+    assert torch.equal(backend.fill_masks([first])[0], expected[0])
+    assert torch.equal(backend.fill_masks([third])[0], expected[4])
+
+
 SERVER_CASES = {
     "chunked": {"chunked_prefill_size": 8},
     "retraction": {"max_total_tokens": 160, "new_token_ratio": 0.05},  # admits what will not fit
@@ -138,24 +165,29 @@ SERVER_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", ["stops", "penalties", "grammar", "prefix_hit", *SERVER_CASES])
+@pytest.mark.parametrize("case", ["stops", "penalties", "grammar", "beside_plain", "prefix_hit",
+                                  *SERVER_CASES])
 def test_features_behave_as_without_speculation(case: str, pairs) -> None:
+    from lockstep.constrained.constraint import constraint_from_fields
+
     prompts = _prompts(4, seed=2)  # at most SPEC_MAX_BATCH: every decode batch may draft
     per_req: dict[str, Any] = {}
     if case == "stops":  # stop ids, min_new_tokens and max_new_tokens cut runs short
         per_req = {"stop_token_ids": [17, 42, 99], "min_new_tokens": 3, "ignore_eos": False}
     elif case == "penalties":
         per_req = {"frequency_penalty": 0.5, "repetition_penalty": 1.2}
-    elif case == "grammar":
-        from lockstep.constrained.constraint import constraint_from_fields
+    elif case in ("grammar", "beside_plain"):
         per_req = {"constraint": constraint_from_fields(r"(ab|cd){3,12}", None, None)}
+    if case == "beside_plain":  # grammar and penalties on the even requests only: rows of both kinds
+        per_req |= {"frequency_penalty": 0.5, "presence_penalty": 0.3}
+    featured = lambda i: case != "beside_plain" or i % 2 == 0  # noqa: E731
 
     def reqs() -> dict:
         # Arriving a few steps apart, each drafts alone at first, then beside the others (with
         # company only drafts taken whole go on). The same prompts come again once the first
         # are done: their drafts, from the n-gram store, are taken, and meet every feature.
-        waves = [[greedy_req(f"{w}{i}", p, 60, return_logprob=True, **per_req) for i, p in enumerate(prompts)]
-                 for w in ("r", "again")]
+        waves = [[greedy_req(f"{w}{i}", p, 60, return_logprob=True, **(per_req if featured(i) else {}))
+                  for i, p in enumerate(prompts)] for w in ("r", "again")]
         return {100 * w + 12 * i: [r] for w, wave in enumerate(waves) for i, r in enumerate(wave)}
 
     pair = pairs("llama", **SERVER_CASES.get(case, {}))
@@ -165,6 +197,9 @@ def test_features_behave_as_without_speculation(case: str, pairs) -> None:
     assert verified > 0 and accepted > 0  # drafts were made, and some taken
     if case == "retraction":
         assert pair[1].stats.retractions > 0
+    if case == "beside_plain":  # both kinds had drafts taken
+        for kind in (0, 1):
+            assert sum(r.spec[2] for rid, r in on.items() if int(rid[-1]) % 2 == kind) > 0
     if case == "prefix_hit":  # no other feature: the second wave's prompts are in the tree
         assert all(on[f"again{i}"].cached_tokens > 0 for i in range(len(prompts)))
 
@@ -228,7 +263,8 @@ def test_ranks_draft_alike_under_tp_and_pp(layout: dict, tiny_model_dirs, pairs)
                       quantization="q8_0", enable_lockstep_check=1, **layout, **SPEC)
     launched = launch_subprocesses(args)
     try:
-        # one at a time: alone, each drafts (grammar requests from the store's earlier outputs)
+        # one at a time, so each drafts alone: the plain ones from the store, the grammar ones from
+        # their own repeating output (test_features_... shows such requests take drafts in-process)
         got = generate_through(launched, prompts + prompts, 24, concurrent=False,
                                sampling=[{}] * len(prompts) + [features] * len(prompts))
     finally:

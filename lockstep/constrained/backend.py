@@ -117,10 +117,13 @@ class GrammarBackend:
             for d in drafts[:-1]:
                 starts.append(starts[-1] + 1 + len(d))
             plain = [(m._m, i) for m, i, d in zip(matchers, starts, drafts) if not d]
-            drafting = [(m._m, i, list(d)) for m, i, d in zip(matchers, starts, drafts) if d]
+            # A copy steps through each draft: llguidance rolls a matcher back after its draft, but
+            # not when a grammar limit is hit part-way, which would leave the request's own matcher
+            # advanced past tokens it never accepted.
+            drafting = [(m._m.deep_copy(), i, list(d)) for m, i, d in zip(matchers, starts, drafts) if d]
             if plain:
                 self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), row_bytes, rows)
-            if drafting:  # each matcher steps through its draft and is rolled back after
+            if drafting:
                 self._executor.unsafe_compute_mask_ptr_with_draft_token(
                     drafting, mask.data_ptr(), row_bytes, rows)
         return mask

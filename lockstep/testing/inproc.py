@@ -23,6 +23,7 @@ class Finished:
     logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] = field(default_factory=list)
     cached_tokens: int = 0
+    spec: tuple[int, int, int] | None = None  # (verify passes, drafted, accepted), as meta_info's
 
 
 @functools.cache
@@ -84,6 +85,7 @@ def run_to_completion(sched: Scheduler, schedule: dict[int, list[Any]] | list[An
             r.logprobs.extend(e.logprob for e in out.output_token_logprobs)
             r.input_logprobs.extend(e.logprob for e in out.input_token_logprobs)
             r.cached_tokens = out.cached_tokens
+            r.spec = out.spec
             if out.finish_reason is not None:
                 r.finish_reason = out.finish_reason
         if step >= last_input and sched.is_idle():
