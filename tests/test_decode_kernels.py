@@ -54,6 +54,24 @@ def test_decode_attention_matches_reference_and_is_batch_invariant(variant, shap
 
 
 @pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("window", [None, 64])
+def test_a_prefill_attends_each_row_as_its_decode_would(variant, window) -> None:
+    """Hundreds of rows (a prefill: one request's causal rows, beside a second request) take the
+    many-rows path, whole rows per task; each row's bits must be those of the row alone (the
+    few-rows path, a decode), the prefix-cache and speculation invariant."""
+    n = 300
+    q, k_buf, v_buf, slots, _, _ = make_pool(4, 1, 256, [n + 40])
+    starts = torch.tensor([0] * n + [n] * 40, dtype=torch.int64)  # request 2 owns the last 40 slots
+    lens = torch.cat([torch.arange(1, n + 1), torch.arange(1, 41)])
+    q = torch.randn(n + 40, 4, 256, generator=torch.Generator().manual_seed(1)) * 2.0
+    args = (0.0625, None, window)
+    out = run(variant, q, k_buf, v_buf, slots, starts, lens, *args)
+    for i in [0, 1, 63, 64, 65, 255, 256, 257, 299, 300, 339]:
+        alone = run(variant, q[i:i + 1], k_buf, v_buf, slots, starts[i:i + 1], lens[i:i + 1], *args)
+        assert torch.equal(alone[0], out[i]), f"row {i} differs in a prefill vs alone"
+
+
+@pytest.mark.parametrize("variant", variant_params())
 def test_decode_attention_reads_q_rows_from_a_fused_qkv_view(variant) -> None:
     lens = [5, 300, 40]
     q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 64, lens)

@@ -21,6 +21,8 @@ namespace lockstep {
 // exp8 and the lane trees are the same instructions in both builds, so AVX2 and AVX-512 agree bitwise.
 
 constexpr int64_t kChunk = 256;  // keys per work item: long contexts split across threads
+constexpr int64_t kRowsPerThread = 16;  // from this many query rows per thread, tasks are whole rows
+constexpr int64_t kTasksPerThread = 8;  // ... cut this many per thread, for balance
 
 // exp(x) for x <= 0 on 8 lanes (Cephes' expf: exponent split with a two-part ln 2, degree-6
 // polynomial); x below -87 gives about 1e-38 rather than 0, which no softmax can tell apart.
@@ -205,47 +207,76 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   const DecodeShape sh{h_n, kvh_n, h_n / kvh_n, d, static_cast<float>(scaling), static_cast<float>(softcap)};
   at::Tensor out = at::empty({r_n, h_n * d}, q.options());
   if (r_n == 0) return out;
-  const int64_t items = item0[r_n], g = sh.group;
-  // per item and head of its group: m, l, then acc[d]
-  std::vector<float> part(static_cast<size_t>(items * g * (d + 2)));
+  const int64_t items = item0[r_n], g = sh.group, item_floats = g * (d + 2);
   const float* qp = q.data_ptr<float>();
   const int64_t q_rs = q.stride(0);
   const float* kb = k_buf.data_ptr<float>();
   const float* vb = v_buf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // item `local` of row r: KV head local % kvh_n, chunk local / kvh_n; its m, l, acc go to `pp`
+  auto attend = [&](int64_t r, int64_t local, float* scores, float* pp) {
+    const int64_t kvh = local % kvh_n, c = local / kvh_n;
+    const int64_t first = sp[r] + lo[r] + c * kChunk;
+    const int64_t n = std::min(kChunk, sp[r] + lp[r] - first);
+    attend_chunk(sh, qp + r * q_rs + kvh * g * d, kb, vb, slots + first, n, kvh, scores, pp, pp + g, pp + 2 * g);
+  };
+  // row r's output from its items at `rp` (in item order), chunks combined in chunk order
+  auto merge = [&](int64_t r, const float* rp) {
+    const int64_t chunks = (item0[r + 1] - item0[r]) / kvh_n;
+    for (int64_t kvh = 0; kvh < kvh_n; ++kvh)
+      for (int64_t h = 0; h < g; ++h) {
+        float* o = op + (r * h_n + kvh * g + h) * d;
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, rp[(c * kvh_n + kvh) * item_floats + h]);
+        float l = 0.0f;
+        for (int64_t x = 0; x < d; ++x) o[x] = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pp = rp + (c * kvh_n + kvh) * item_floats;
+          const float f = chunks == 1 ? 1.0f : exp1(pp[h] - mx);
+          l += f * pp[g + h];
+          const float* a = pp + 2 * g + h * d;
+          for (int64_t x = 0; x < d; x += 16) vstore(o + x, vfma(vset1(f), vload(a + x), vload(o + x)));
+        }
+        const V inv = vset1(1.0f / l);
+        for (int64_t x = 0; x < d; x += 16) vstore(o + x, vmul(vload(o + x), inv));
+      }
+  };
+  const int64_t threads = at::get_num_threads();
+  if (r_n >= kRowsPerThread * threads) {
+    // Many rows (prefill, large batches): a task is a run of whole rows, each row's items computed
+    // and merged at once in a small buffer (a shared one is tens of MB at 2,048 prefill rows: its
+    // writes and the merge's reads went to DRAM, and the merge ran on one thread). Tasks are cut by
+    // item count, so a causal prefill's long rows do not all land on the last thread. Each row's
+    // items and merge are the same arithmetic as below: the same bits.
+    const int64_t tasks = std::min(r_n, threads * kTasksPerThread);
+    std::vector<int64_t> row0(tasks + 1, r_n);
+    row0[0] = 0;
+    for (int64_t t = 1; t < tasks; ++t)
+      row0[t] = std::lower_bound(item0.begin(), item0.end(), items * t / tasks) - item0.begin();
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores(static_cast<size_t>(g * kChunk)), rowpart;
+      for (int64_t r = row0[t0]; r < row0[t1]; ++r) {
+        const int64_t n_items = item0[r + 1] - item0[r];
+        rowpart.resize(static_cast<size_t>(n_items * item_floats));
+        for (int64_t local = 0; local < n_items; ++local)
+          attend(r, local, scores.data(), rowpart.data() + local * item_floats);
+        merge(r, rowpart.data());
+      }
+    });
+    return out;
+  }
+  // Few rows (decode): work items are (row, KV head, chunk), so one long row splits across threads
+  std::vector<float> part(static_cast<size_t>(items * item_floats));
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(static_cast<size_t>(g * kChunk));
     int64_t r = std::upper_bound(item0.begin(), item0.end(), i0) - item0.begin() - 1;
     for (int64_t i = i0; i < i1; ++i) {
       while (i >= item0[r + 1]) ++r;
-      const int64_t local = i - item0[r], kvh = local % kvh_n, c = local / kvh_n;
-      const int64_t first = sp[r] + lo[r] + c * kChunk;
-      const int64_t n = std::min(kChunk, sp[r] + lp[r] - first);
-      float* pp = part.data() + i * g * (d + 2);
-      attend_chunk(sh, qp + r * q_rs + kvh * g * d, kb, vb, slots + first, n, kvh, scores.data(), pp, pp + g,
-                   pp + 2 * g);
+      attend(r, i - item0[r], scores.data(), part.data() + i * item_floats);
     }
   });
-  float* op = out.data_ptr<float>();
   // the merge is ~g * d flops per chunk: on the calling thread, a fork-join would cost more
-  for (int64_t w = 0; w < r_n * kvh_n; ++w) {
-    const int64_t r = w / kvh_n, kvh = w % kvh_n, chunks = (item0[r + 1] - item0[r]) / kvh_n;
-    for (int64_t h = 0; h < g; ++h) {
-      float* o = op + (r * h_n + kvh * g + h) * d;
-      float mx = -INFINITY;
-      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, part[(item0[r] + c * kvh_n + kvh) * g * (d + 2) + h]);
-      float l = 0.0f;
-      for (int64_t x = 0; x < d; ++x) o[x] = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float* pp = part.data() + (item0[r] + c * kvh_n + kvh) * g * (d + 2);
-        const float f = chunks == 1 ? 1.0f : exp1(pp[h] - mx);
-        l += f * pp[g + h];
-        const float* a = pp + 2 * g + h * d;
-        for (int64_t x = 0; x < d; x += 16) vstore(o + x, vfma(vset1(f), vload(a + x), vload(o + x)));
-      }
-      const V inv = vset1(1.0f / l);
-      for (int64_t x = 0; x < d; x += 16) vstore(o + x, vmul(vload(o + x), inv));
-    }
-  }
+  for (int64_t r = 0; r < r_n; ++r) merge(r, part.data() + item0[r] * item_floats);
   return out;
 }
 
