@@ -231,13 +231,18 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
 // Measured on AVX2 (docs/benchmarks.md, one thread): at 5 rows 0.7x the x-in-lanes panels' time on the
 // 262k head, 0.78x at 9 (a verify pass of 8 drafts) and 0.86x at 10; the layers' narrower matrices
 // turn to the panels (a fixed cost up to 16 rows) a little sooner, the head at 12: 10 is a whole step's
-// crossover on AVX2. The AVX-512 build keeps 8 until an AVX-512 machine measures its crossover.
+// crossover on AVX2. On AVX-512 (Zen 4, one thread, benchmarks/int8_kernel_rows.py) the panels' VNNI
+// tiles win sooner: the 262k head's rows path took 20.9 ms at 3 rows and 37.1 at 4 against the
+// panels' ~31.7 at any M up to 16; the layers' crossover is between 4 and 6 rows (at 6, Q5_0 gate
+// 0.33 vs 0.25 ms, Q4_K down 0.44 vs 0.35). So there the limit depends on the matrix's width.
 constexpr int64_t kRowChunk = 4;
 #ifdef LOCKSTEP_AVX512
-constexpr int64_t kRowLanesMaxM = 8;
+constexpr int64_t kRowLanesMaxM = 5, kRowLanesMaxMWide = 3;
 #else
-constexpr int64_t kRowLanesMaxM = 10;
+constexpr int64_t kRowLanesMaxM = 10, kRowLanesMaxMWide = 10;
 #endif
+constexpr int64_t kWideN = 65536;  // output columns from which a matrix counts as wide (an LM head)
+inline bool row_lanes(int64_t m, int64_t n) { return m <= (n >= kWideN ? kRowLanesMaxMWide : kRowLanesMaxM); }
 
 // the 8 lanes of w . x over one block of 32 (w decoded quants, x int8)
 template <bool kSignedW>
@@ -425,7 +430,7 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
   at::Tensor y = at::empty({m, n_total}, x.options());
   if (m == 0 || n_total == 0) return y;
   float* yp = y.data_ptr<float>();
-  if (m <= kRowLanesMaxM) {
+  if (row_lanes(m, n_total)) {
     std::vector<int8_t> xq(static_cast<size_t>(m * k));
     std::vector<float> dx(static_cast<size_t>(m * nb));
     std::vector<int32_t> bs(static_cast<size_t>(m * nb * 2));
