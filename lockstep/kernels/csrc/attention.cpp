@@ -80,7 +80,9 @@ inline void dot_heads(const float* q, int64_t qd, const float* k, int64_t d, flo
 }
 
 // K/V rows are scattered over the pool by slot, where the hardware prefetcher cannot follow: ask for
-// the row kAhead keys on while working on this one
+// the row kAhead keys on while working on this one. Where the slots run on in order (a prompt's
+// keys, allocated together) the prefetcher does follow, and the 16 extra instructions per key only
+// cost: a 2,048-row prefill layer took 0.78-0.96x the time without them on Zen 4 (three A/B pairs).
 constexpr int64_t kAhead = 2;
 inline void prefetch_row(const float* p, int64_t d) {
   for (int64_t i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
@@ -98,7 +100,7 @@ inline void pv_heads(const float* p0, const float* p1, const float* vrow0, int64
   V a0[W], a1[W];
   UNROLL for (int w = 0; w < W; ++w) a0[w] = a1[w] = vzero();
   for (int64_t j = 0; j < n; ++j) {
-    if (fetch && j + kAhead < n) prefetch_row(vrow0 + slots[j + kAhead] * row, d);
+    if (fetch && j + kAhead < n && slots[j + kAhead] != slots[j] + kAhead) prefetch_row(vrow0 + slots[j + kAhead] * row, d);
     const float* v = vrow0 + slots[j] * row + c;
     const V s0 = vset1(p0[j]);
     UNROLL for (int w = 0; w < W; ++w) a0[w] = vfma(s0, vload(v + 16 * w), a0[w]);
@@ -131,7 +133,7 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
                   float* acc) {
   const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d, np = (n + 7) / 8 * 8;
   for (int64_t j = 0; j < n; ++j) {
-    if (j + kAhead < n) prefetch_row(kbuf + slots[j + kAhead] * row + kvh * d, d);
+    if (j + kAhead < n && slots[j + kAhead] != slots[j] + kAhead) prefetch_row(kbuf + slots[j + kAhead] * row + kvh * d, d);
     const float* k = kbuf + slots[j] * row + kvh * d;
     int64_t h = 0;
     for (; h + kDotHeads <= g; h += kDotHeads) dot_heads<kDotHeads>(q + h * d, d, k, d, scores + h * np + j, np);
