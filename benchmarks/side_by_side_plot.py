@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from side_by_side_summary import _same_round, load  # noqa: E402 - the one reader of the JSON lines
+from side_by_side_summary import load, same_round  # noqa: E402 - the one reader of the JSON lines
 
 # workload -> (record field, label) of the ratio plot; other workloads: per-user output tok/s
 RATIO_FIGURES = {"W-batch": ("output_throughput", "output tok/s"),
@@ -34,7 +34,7 @@ def ratio_bars(runs: dict, workloads: list[str], peer: str) -> dict[str, dict[st
             continue
         field = RATIO_FIGURES.get(w, PER_USER)[0]
         for rnd, rec in rounds.items():
-            base = _same_round(runs[(peer, w)], rnd)
+            base = same_round(runs[(peer, w)], rnd)
             if base and rec.get(field) and base.get(field):
                 out.setdefault(kind, {}).setdefault(w, []).append(rec[field] / base[field])
     return out

@@ -47,7 +47,8 @@ def load(path: str) -> dict[tuple[str, str], dict[str, dict]]:
     return runs
 
 
-def _same_round(rounds: dict[str, dict], rnd: str) -> dict | None:
+def same_round(rounds: dict[str, dict], rnd: str) -> dict | None:
+    """The record of round `rnd`, else the first one there is (a peer run in fewer rounds)."""
     return rounds.get(rnd) or next(iter(rounds.values()), None)
 
 
@@ -57,7 +58,7 @@ def peer_table(runs: dict[tuple[str, str], dict[str, dict]], peer: str) -> list[
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (kind, workload), rounds in sorted(runs.items()):
         for rnd, rec in sorted(rounds.items()):
-            base = None if kind == peer else _same_round(runs.get((peer, workload), {}), rnd)
+            base = None if kind == peer else same_round(runs.get((peer, workload), {}), rnd)
             itl, tps = rec["median_itl_ms"], rec["output_throughput"]
             ratios = ("-",) * 4 if base is None else (
                 _ratio(itl, base["median_itl_ms"]), _ratio(tps, base["output_throughput"]),
@@ -80,8 +81,8 @@ def spec_table(runs: dict[tuple[str, str], dict[str, dict]], peer: str) -> list[
         if kind != SPEC_KIND:
             continue
         for rnd, rec in sorted(rounds.items()):
-            off = _same_round(runs.get((PLAIN_KIND, workload), {}), rnd)
-            peers = [(_per_user(_same_round(r, rnd)) or 0.0, k) for (k, w), r in runs.items()
+            off = same_round(runs.get((PLAIN_KIND, workload), {}), rnd)
+            peers = [(_per_user(same_round(r, rnd)) or 0.0, k) for (k, w), r in runs.items()
                      if w == workload and k.startswith(peer + "-")]
             best_tps, best = max(peers, default=(None, None))
             vs_off = [_ratio(rec[name], None if off is None else off[name])

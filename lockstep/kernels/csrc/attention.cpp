@@ -87,6 +87,10 @@ constexpr int64_t kAhead = 2;
 inline void prefetch_row(const float* p, int64_t d) {
   for (int64_t i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
+// the row of key j + kAhead (at base + slot * row) while key j's is read, unless its slot follows in order
+inline void fetch_ahead(const float* base, const int64_t* slots, int64_t j, int64_t n, int64_t row, int64_t d) {
+  if (j + kAhead < n && slots[j + kAhead] != slots[j] + kAhead) prefetch_row(base + slots[j + kAhead] * row, d);
+}
 
 struct DecodeShape {
   int64_t heads, kv_heads, group, dim;  // group = heads / kv_heads
@@ -100,7 +104,7 @@ inline void pv_heads(const float* p0, const float* p1, const float* vrow0, int64
   V a0[W], a1[W];
   UNROLL for (int w = 0; w < W; ++w) a0[w] = a1[w] = vzero();
   for (int64_t j = 0; j < n; ++j) {
-    if (fetch && j + kAhead < n && slots[j + kAhead] != slots[j] + kAhead) prefetch_row(vrow0 + slots[j + kAhead] * row, d);
+    if (fetch) fetch_ahead(vrow0, slots, j, n, row, d);
     const float* v = vrow0 + slots[j] * row + c;
     const V s0 = vset1(p0[j]);
     UNROLL for (int w = 0; w < W; ++w) a0[w] = vfma(s0, vload(v + 16 * w), a0[w]);
@@ -133,7 +137,7 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
                   float* acc) {
   const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d, np = (n + 7) / 8 * 8;
   for (int64_t j = 0; j < n; ++j) {
-    if (j + kAhead < n && slots[j + kAhead] != slots[j] + kAhead) prefetch_row(kbuf + slots[j + kAhead] * row + kvh * d, d);
+    fetch_ahead(kbuf + kvh * d, slots, j, n, row, d);
     const float* k = kbuf + slots[j] * row + kvh * d;
     int64_t h = 0;
     for (; h + kDotHeads <= g; h += kDotHeads) dot_heads<kDotHeads>(q + h * d, d, k, d, scores + h * np + j, np);

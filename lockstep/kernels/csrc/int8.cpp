@@ -17,7 +17,7 @@
 // AMX's B tiles) multiply: a weight's 4 bytes are broadcast to every lane, so one instruction advances
 // 16 rows of x by 4 elements with no horizontal sums. Weights are decoded a panel of rows at a time into
 // plain unsigned bytes (Q8_0 offset by 128 on AVX-512; on AVX2 it stays signed and uses the sign trick,
-// as maddubs saturates on 255 * 127 * 2). At M <= kRowLanesMaxM the W blocks are read as stored
+// as maddubs saturates on 255 * 127 * 2). At M <= row_lanes' limit the W blocks are read as stored
 // instead, nothing decoded to memory (see rows_tile). An AMX-INT8 version of the x-in-lanes tile (TDPBUSD per block of 32, the
 // same integers) was measured no faster than VNNI here: the per-block float steps, not the integer dots,
 // bound this arithmetic, so it is not kept.
@@ -218,14 +218,14 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
 }
 
 // ---------------------------------------------------------------- a few rows of x: W blocks as stored
-// At M <= kRowLanesMaxM the x-in-lanes tiles above would leave most lanes empty and cost a decoded
+// At M up to row_lanes' limit the x-in-lanes tiles above would leave most lanes empty and cost a decoded
 // panel per call. Here every W block is decoded in registers straight from the GGUF's bytes (nothing
 // repacked, nothing written) and dotted with each x row's block: 8 int32 lanes, lane l the elements
 // 4l..4l+3. The lanes of 8 W rows are then summed by one horizontal-add tree (exact integers: the same
 // sums as any order), which leaves lane j = W row j's block sum, so the float steps run with W rows in
 // the lanes of V/IV, 16 rows at a time: the same integers and float steps per output element as the
 // other paths, so the same bits.
-// Up to kRowLanesMaxM rows (small decode batches) x goes over each 16-row W tile in chunks of kRowChunk
+// Up to that limit (small decode batches) x goes over each 16-row W tile in chunks of kRowChunk
 // rows: the tile's blocks come from memory once and stay in L1/L2 for the later chunks (a tile of the
 // default GGUF's widest rows, 16 x 2048 Q6_K, is 27 KiB), where a chunk re-decodes them in registers.
 // Measured on AVX2 (docs/benchmarks.md, one thread): at 5 rows 0.7x the x-in-lanes panels' time on the
@@ -379,7 +379,7 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
   UNROLL for (int i = 0; i < MR; ++i) out[i] = acc[i];
 }
 
-// 16-row W tiles [t0, t1) against all m (<= kRowLanesMaxM) rows of x; y's rows ldy apart
+// 16-row W tiles [t0, t1) against all m (row_lanes) rows of x; y's rows ldy apart
 template <class T>
 I8_TARGET void int8_rows(const uint8_t* w, int64_t rb, const int8_t* xq, const float* dx, const int32_t* bs,
                          float* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t t0, int64_t t1) {
@@ -415,7 +415,7 @@ bool int8_supported() {
 }
 
 // The parts of a fused layer (qkv, gate/up), each of its own block type, side by side in y: x quantized
-// once, and at M <= kRowLanesMaxM one parallel region over every part's tiles (the narrow k and v
+// once, and on the rows path (row_lanes) one parallel region over every part's tiles (the narrow k and v
 // projections alone would not fill two threads, and each region is a fork and a join).
 at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
                              const std::vector<int64_t>& types, int64_t k) {
