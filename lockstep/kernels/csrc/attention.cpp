@@ -97,24 +97,30 @@ struct DecodeShape {
   float scaling, softcap;               // softcap 0: off
 };
 
-// acc[h][c .. c + 16 W) = sum_j p[h][j] * v_j[c ..], heads in pairs (then one), keys in increasing order
-template <int W, bool kPair>
-inline void pv_heads(const float* p0, const float* p1, const float* vrow0, int64_t row, const int64_t* slots,
-                     int64_t n, int64_t c, int64_t d, float* o0, float* o1, bool fetch) {
-  V a0[W], a1[W];
-  UNROLL for (int w = 0; w < W; ++w) a0[w] = a1[w] = vzero();
+#ifdef LOCKSTEP_AVX512
+constexpr int kPvHeads = 4;  // query heads whose sums share each V load (accumulators in registers)
+#else
+constexpr int kPvHeads = 2;
+#endif
+
+// acc[h][c .. c + 16 W) = sum_j p[h][j] * v_j[c ..] for NH heads (p rows np apart, acc rows d apart),
+// keys in increasing order
+template <int NH, int W>
+inline void pv_heads(const float* p, int64_t np, const float* vrow0, int64_t row, const int64_t* slots,
+                     int64_t n, int64_t c, int64_t d, float* o, bool fetch) {
+  V a[NH][W];
+  UNROLL for (int h = 0; h < NH; ++h) UNROLL for (int w = 0; w < W; ++w) a[h][w] = vzero();
   for (int64_t j = 0; j < n; ++j) {
     if (fetch) fetch_ahead(vrow0, slots, j, n, row, d);
     const float* v = vrow0 + slots[j] * row + c;
-    const V s0 = vset1(p0[j]);
-    UNROLL for (int w = 0; w < W; ++w) a0[w] = vfma(s0, vload(v + 16 * w), a0[w]);
-    if constexpr (kPair) {
-      const V s1 = vset1(p1[j]);
-      UNROLL for (int w = 0; w < W; ++w) a1[w] = vfma(s1, vload(v + 16 * w), a1[w]);
+    V vv[W];
+    UNROLL for (int w = 0; w < W; ++w) vv[w] = vload(v + 16 * w);
+    UNROLL for (int h = 0; h < NH; ++h) {
+      const V s = vset1(p[h * np + j]);
+      UNROLL for (int w = 0; w < W; ++w) a[h][w] = vfma(s, vv[w], a[h][w]);
     }
   }
-  UNROLL for (int w = 0; w < W; ++w) vstore(o0 + c + 16 * w, a0[w]);
-  if constexpr (kPair) UNROLL for (int w = 0; w < W; ++w) vstore(o1 + c + 16 * w, a1[w]);
+  UNROLL for (int h = 0; h < NH; ++h) UNROLL for (int w = 0; w < W; ++w) vstore(o + h * d + c + 16 * w, a[h][w]);
 }
 
 template <int W>
@@ -123,11 +129,9 @@ inline void pv_slice(const DecodeShape& sh, const float* scores, int64_t np, con
   const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d;
   const float* vrow0 = vbuf + kvh * d;
   int64_t h = 0;
-  for (; h + 2 <= g; h += 2)
-    pv_heads<W, true>(scores + h * np, scores + (h + 1) * np, vrow0, row, slots, n, c, d, acc + h * d,
-                      acc + (h + 1) * d, fetch && h == 0);
-  if (h < g) pv_heads<W, false>(scores + h * np, nullptr, vrow0, row, slots, n, c, d, acc + h * d, nullptr,
-                                fetch && h == 0);
+  for (; h + kPvHeads <= g; h += kPvHeads)
+    pv_heads<kPvHeads, W>(scores + h * np, np, vrow0, row, slots, n, c, d, acc + h * d, fetch && h == 0);
+  for (; h < g; ++h) pv_heads<1, W>(scores + h * np, np, vrow0, row, slots, n, c, d, acc + h * d, fetch && h == 0);
 }
 
 // One work item: keys kv_slots[first .. first + n) (n <= kChunk) for query heads [g0, g0 + group) of KV
