@@ -274,6 +274,16 @@ struct XSums {
   IV a, b;
 };
 
+// A type's integer sums (S of them: Q::kSplit) less the x-side terms its offset adds (Q::kXTerm):
+// the isum its value() takes. Exact integers, so any order of the adds gives the same ones.
+template <class Q, int S>
+inline void less_xterms(IV* r, const XSums& xs) {
+  if constexpr (Q::kXTerm) {
+    r[0] = isub(r[0], xs.a);
+    if constexpr (S == 2) r[1] = isub(r[1], xs.b);
+  }
+}
+
 // a weight block's scales per lane: every lane the same row's (x rows in lanes), or each its own row's
 struct WScales {
   V d, dmin;
@@ -306,10 +316,8 @@ struct I8Simple {
       return {ishl<shift>(iadd(bs0, bs1)), izero()};
     }
   }
-  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
-    const IV isum = kOff == 0 ? r[0] : isub(r[0], xs.a);
-    return vmul(itof(isum), vmul(dx, ws.d));
-  }
+  static constexpr bool kXTerm = kOff != 0;  // isum = r - xs.a (the offset's share)
+  static V value(const IV* isum, const XSums&, V dx, const WScales& ws) { return vmul(itof(isum[0]), vmul(dx, ws.d)); }
 };
 
 // kI16Group (AVX2): how many of maddubs' int16 outputs (pairs w0 x0 + w1 x1, |x| <= 127) add up in
@@ -389,8 +397,9 @@ struct I8<Q4_K> {
     return _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (j & 1))), _mm256_set1_epi8(0x0F));
   }
   static XSums xsums(IV bs0, IV bs1) { return {iadd(bs0, bs1), izero()}; }
-  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
-    const V hi = vmul(itof(imul(r[0], ws.s0)), vmul(dx, ws.d));
+  static constexpr bool kXTerm = false;  // the mins use xs.a apart: isum = r
+  static V value(const IV* isum, const XSums& xs, V dx, const WScales& ws) {
+    const V hi = vmul(itof(imul(isum[0], ws.s0)), vmul(dx, ws.d));
     const V lo = vmul(itof(imul(xs.a, ws.s1)), vmul(dx, ws.dmin));
     return vsub(hi, lo);
   }
@@ -424,9 +433,9 @@ struct I8<Q6_K> {
     return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63, offset 32
   }
   static XSums xsums(IV bs0, IV bs1) { return {ishl<5>(bs0), ishl<5>(bs1)}; }
-  static V value(const IV* r, const XSums& xs, V dx, const WScales& ws) {
-    const IV isum = iadd(imul(isub(r[0], xs.a), ws.s0), imul(isub(r[1], xs.b), ws.s1));
-    return vmul(itof(isum), vmul(dx, ws.d));
+  static constexpr bool kXTerm = true;  // isum[0] = r[0] - xs.a, isum[1] = r[1] - xs.b (the offset 32's share)
+  static V value(const IV* isum, const XSums&, V dx, const WScales& ws) {
+    return vmul(itof(iadd(imul(isum[0], ws.s0), imul(isum[1], ws.s1))), vmul(dx, ws.d));
   }
 };
 

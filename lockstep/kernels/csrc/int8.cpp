@@ -99,7 +99,7 @@ void pack_x_int8(const float* x, int64_t m, int64_t k, XInt8& p) {
 
 // ---------------------------------------------------------------- tiles
 #ifdef LOCKSTEP_AVX512
-constexpr int kI8Rows = 4;  // W rows per tile
+constexpr int kI8Rows = 8;  // W rows per tile
 #else
 constexpr int kI8Rows = 2;
 #endif
@@ -116,19 +116,27 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t at = g * nb + b;
     const int8_t* xq = xp.q.data() + at * kXGroupBytes;
-    // two chains per integer sum (even and odd k4: exact integers, so the split changes nothing)
-    IV r[NT][2 * S];
-    UNROLL for (int j = 0; j < NT; ++j) UNROLL for (int s = 0; s < 2 * S; ++s) r[j][s] = izero();
 #ifdef LOCKSTEP_AVX512
+    const XSums xs = Q::xsums(iload(&xp.bs[at * 32]), iload(&xp.bs[at * 32 + 16]));
+    // one chain per integer sum, started at minus the x-side terms (the tile's 8 rows keep the chains
+    // apart; two per sum and the subtraction after cost 0.91-0.98x this time: int8_kernel_rows.py)
+    IV r[NT][S];
+    IV start[S];
+    UNROLL for (int s = 0; s < S; ++s) start[s] = izero();
+    less_xterms<Q, S>(start, xs);
+    UNROLL for (int j = 0; j < NT; ++j) UNROLL for (int s = 0; s < S; ++s) r[j][s] = start[s];
     UNROLL for (int k4 = 0; k4 < 8; ++k4) {
       const IV x = iload(xq + 64 * k4);
       UNROLL for (int j = 0; j < NT; ++j) {
         int32_t w;
         std::memcpy(&w, wq + j * k + 32 * b + 4 * k4, 4);
-        dot4<Q::kSignedW>(r[j][2 * (k4 * S / 8) + (k4 & 1)], iset1(w), x);
+        dot4<Q::kSignedW>(r[j][k4 * S / 8], iset1(w), x);
       }
     }
 #else
+    // two chains per integer sum (even and odd k4: exact integers, so the split changes nothing)
+    IV r[NT][2 * S];
+    UNROLL for (int j = 0; j < NT; ++j) UNROLL for (int s = 0; s < 2 * S; ++s) r[j][s] = izero();
     // maddubs' int16 pair sums of kI16Group slices are added in int16 before one madd widens them:
     // half the multiplier port's work or less for the 4-, 5- and 6-bit types (the bound per type keeps
     // every int16 sum exact: blocks.h, kI16Group), so the integers and the bits are the same
@@ -149,14 +157,14 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
         }
       }
     }
-#endif
-    const XSums xs = Q::xsums(iload(&xp.bs[at * 32]), iload(&xp.bs[at * 32 + 16]));
-    const V dx = vload(&xp.d[at * kXLanes]);
+    const XSums xs = Q::xsums(iload(&xp.bs[at * 32]), iload(&xp.bs[at * 32 + 16]));  // after: 16 registers
     UNROLL for (int j = 0; j < NT; ++j) {
-      IV sums[S];
-      UNROLL for (int s = 0; s < S; ++s) sums[s] = iadd(r[j][2 * s], r[j][2 * s + 1]);
-      acc[j] = vadd(acc[j], Q::value(sums, xs, dx, bcast(meta[j * nb + b])));
+      UNROLL for (int s = 0; s < S; ++s) r[j][s] = iadd(r[j][2 * s], r[j][2 * s + 1]);
+      less_xterms<Q, S>(r[j], xs);
     }
+#endif
+    const V dx = vload(&xp.d[at * kXLanes]);
+    UNROLL for (int j = 0; j < NT; ++j) acc[j] = vadd(acc[j], Q::value(r[j], xs, dx, bcast(meta[j * nb + b])));
   }
   UNROLL for (int j = 0; j < NT; ++j) out[j] = acc[j];
 }
@@ -373,6 +381,7 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
         r[0] = iv_from(_mm256_add_epi32(sums[i][0][0], sums[i][0][1]), _mm256_add_epi32(sums[i][1][0], sums[i][1][1]));
       }
       const XSums xs = Q::xsums(iset1(bs[(i * nb + b) * 2]), iset1(bs[(i * nb + b) * 2 + 1]));
+      less_xterms<Q, S>(r, xs);
       acc[i] = vadd(acc[i], Q::value(r, xs, vset1(dx[i * nb + b]), ws));
     }
   }
