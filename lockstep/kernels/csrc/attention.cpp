@@ -45,6 +45,26 @@ inline __m256 exp8(__m256 x) {
 
 inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
+#ifdef LOCKSTEP_AVX512
+// exp8's steps on 16 lanes: each lane the same instructions, so the same bits
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
 inline float sum8(__m256 h) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
@@ -150,7 +170,19 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
   for (int64_t h = 0; h < g; ++h) {
     float* s = scores + h * np;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    if (sh.softcap == 0.0f) {  // 16 lanes at once: the same products, and a maximum is a maximum in any order
+      V m16 = vset1(-INFINITY);
+      for (; j + 16 <= n; j += 16) {
+        const V x = vmul(vload(s + j), vset1(sh.scaling));
+        vstore(s + j, x);
+        m16 = vmax(x, m16);  // (x > m) ? x : m, as std::max(m, x) below
+      }
+      alignas(64) float lanes[16];
+      vstore(lanes, m16);
+      for (float x : lanes) mx = std::max(mx, x);
+    }
+    for (; j < n; ++j) {
       float x = s[j] * sh.scaling;
       if (sh.softcap > 0.0f) x = sh.softcap * std::tanh(x / sh.softcap);
       s[j] = x;
@@ -158,7 +190,17 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
     }
     __m256 sum = _mm256_setzero_ps();
     const __m256 vmx = _mm256_set1_ps(mx);
-    for (int64_t j = 0; j < np; j += 8) {
+    j = 0;
+#ifdef LOCKSTEP_AVX512
+    // whole 16s first (l's 8 lanes still take the keys in order: the low half, then the high half)
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
+      _mm512_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+      sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e, 1));
+    }
+#endif
+    for (; j < np; j += 8) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
       if (j + 8 > n) {  // the padding lanes past n count as 0
         const __m256 idx = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(j)),
