@@ -219,6 +219,9 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
   // element's sum back per key (which bound prefill's attention). The first slice's pass fetches each
   // V row ahead; the later slices find it in L1/L2 (a chunk's rows: at most kChunk x Hkv x D floats).
   int64_t c = 0;
+#ifdef LOCKSTEP_AVX512
+  for (; c + 64 <= d; c += 64) pv_slice<4>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
+#endif
   for (; c + 32 <= d; c += 32) pv_slice<2>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
   if (c < d) pv_slice<1>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
 }
