@@ -225,6 +225,21 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
   }
 }
 
+// Rows per W panel (a panel of decoded rows stays in L1/L2 while every group of x passes over it): at
+// most 32 KiB of them, and of the multiples of the tile up to that, the one that splits the n rows most
+// evenly over the threads (at::parallel_for gives each ceil(panels / threads) panels). The fixed 48 rows
+// of a 640-wide matrix left one of two threads 144 of the k projection's 256 rows, the other 112.
+inline int64_t panel_rows(int64_t n, int64_t k, int64_t threads) {
+  const int64_t most = std::max<int64_t>(kI8Rows, std::min<int64_t>(64, 32768 / k) / kI8Rows * kI8Rows);
+  int64_t best = most, best_rows = n + 1;
+  for (int64_t prow = most; prow >= kI8Rows; prow -= kI8Rows) {
+    const int64_t panels = (n + prow - 1) / prow;
+    const int64_t busiest = std::min(n, (panels + threads - 1) / threads * prow);
+    if (busiest < best_rows) best = prow, best_rows = busiest;
+  }
+  return best;
+}
+
 // ---------------------------------------------------------------- a few rows of x: W blocks as stored
 // At M up to row_lanes' limit the x-in-lanes tiles above would leave most lanes empty and cost a decoded
 // panel per call. Here every W block is decoded in registers straight from the GGUF's bytes (nothing
@@ -468,8 +483,6 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
   }
   XInt8 xp;
   pack_x_int8(x.data_ptr<float>(), m, k, xp);
-  // a panel of decoded rows stays in L1/L2 while every group of x passes over it
-  const int64_t prow = std::max<int64_t>(kI8Rows, std::min<int64_t>(64, 32768 / k) / kI8Rows * kI8Rows);
   // x in passes of kPassGroups groups (256 rows): a pass's packed blocks stay in L2 while every W panel
   // goes over them; W panels are decoded once per pass (cheap next to 256 rows of dot products)
   constexpr int64_t kPassGroups = 16;
@@ -477,7 +490,7 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
     const int64_t g1 = std::min(xp.groups, g0 + kPassGroups);
     for (int64_t p = 0; p < parts; ++p) {
       const at::Tensor& b = blocks[p];
-      const int64_t n = b.size(0);
+      const int64_t n = b.size(0), prow = panel_rows(n, k, at::get_num_threads());
       dispatch_int8(types[p], [&](auto tag) {
         at::parallel_for(0, (n + prow - 1) / prow, 1, [&](int64_t p0, int64_t p1) {
           int8_panels<decltype(tag)>(b.data_ptr<uint8_t>(), b.stride(0), xp, yp + col[p], n_total, m, n, k, prow,
