@@ -1,6 +1,7 @@
 """Where a decode step goes: torch-profiler self CPU time per step by op group, and the step's
-unprofiled wall time. Default model and flags (GGUF blocks, float32 activations), in-process
-scheduler.
+unprofiled wall time. Default model and flags, in-process scheduler: with speculation on (a CPU's
+default), a step at batch 4 or less is a verify pass of up to 16 rows, so the requests ask for 16
+tokens per step they take part in.
 
     python benchmarks/decode_step_profile.py BATCH
 """
@@ -42,16 +43,36 @@ def _labelled(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return call
 
 
-def main() -> None:
-    batch = int(sys.argv[1])
+def label_kernels() -> None:
+    """Name the compiled kernels' calls for the profiler (GROUPS' lockstep:: entries)."""
     kernels.linear = _labelled(kernels.linear, "lockstep::linear")
     kernels.linear_parts = _labelled(kernels.linear_parts, "lockstep::linear")
     kernels.linear_int8 = _labelled(kernels.linear_int8, "lockstep::linear")
+    kernels.linear_int8_parts = _labelled(kernels.linear_int8_parts, "lockstep::linear")
     for name in ("rms_norm", "add_rms_norm", "qk_norm_rope", "act_and_mul"):
         setattr(kernels, name, _labelled(getattr(kernels, name), "lockstep::fused"))
     kernels.embedding = _labelled(kernels.embedding, "lockstep::embedding")
     attention.decode_attention = _labelled(attention.decode_attention, "lockstep::decode_attention")
     sampler.argmax = _labelled(sampler.argmax, "lockstep::argmax")
+
+
+def group_ms(prof: Any, runs: int) -> tuple[dict[str, float], float]:
+    """Self CPU ms per run of each group of GROUPS (and "other ops"), and of all ops."""
+    per_run = {k: 0.0 for k in GROUPS}
+    total = 0.0
+    for e in prof.key_averages():
+        total += e.self_cpu_time_total
+        for k, names in GROUPS.items():
+            if e.key in names:
+                per_run[k] += e.self_cpu_time_total
+    ms = {k: v / runs / 1000 for k, v in per_run.items()}
+    ms["other ops"] = (total - sum(per_run.values())) / runs / 1000
+    return ms, total / runs / 1000
+
+
+def main() -> None:
+    batch = int(sys.argv[1])
+    label_kernels()
     tok = load_tokenizer(str(resolve_model(None).model_dir))
     prompts = make_prompts(tok, batch, 256, 0)
     bench = LockstepBench(None, "auto", batch, 256, 16, 0)
@@ -59,7 +80,7 @@ def main() -> None:
     sched = bench.sched
 
     def start(tag: str) -> None:  # prefill, then two decode steps before measuring
-        sched.step([greedy_req(f"{tag}{i}", p, 4 + STEPS) for i, p in enumerate(prompts)])
+        sched.step([greedy_req(f"{tag}{i}", p, 16 * (4 + STEPS)) for i, p in enumerate(prompts)])
         sched.step()
         sched.step()
 
@@ -78,17 +99,9 @@ def main() -> None:
         for _ in range(STEPS):
             sched.step()
     finish()
-    per_step = {k: 0.0 for k in GROUPS}
-    total = 0.0
-    for e in prof.key_averages():
-        total += e.self_cpu_time_total
-        for k, names in GROUPS.items():
-            if e.key in names:
-                per_step[k] += e.self_cpu_time_total
-    ms = {k: v / STEPS / 1000 for k, v in per_step.items()}
-    ms["other ops"] = (total - sum(per_step.values())) / STEPS / 1000
+    ms, total = group_ms(prof, STEPS)
     print(f"batch {batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items())
-          + f"; all ops {total / STEPS / 1000:.1f} ms; wall {wall:.1f} ms/step (unprofiled)")
+          + f"; all ops {total:.1f} ms; wall {wall:.1f} ms/step (unprofiled)")
 
 
 if __name__ == "__main__":
