@@ -45,25 +45,6 @@ inline __m256 exp8(__m256 x) {
 
 inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
-#ifdef LOCKSTEP_AVX512
-// exp8's steps on 16 lanes: each lane the same instructions, so the same bits
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-#endif
 
 inline float sum8(__m256 h) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -190,17 +171,7 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
     }
     __m256 sum = _mm256_setzero_ps();
     const __m256 vmx = _mm256_set1_ps(mx);
-    j = 0;
-#ifdef LOCKSTEP_AVX512
-    // whole 16s first (l's 8 lanes still take the keys in order: the low half, then the high half)
-    for (; j + 16 <= n; j += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
-      _mm512_storeu_ps(s + j, e);
-      sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
-      sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e, 1));
-    }
-#endif
-    for (; j < np; j += 8) {
+    for (j = 0; j < np; j += 8) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
       if (j + 8 > n) {  // the padding lanes past n count as 0
         const __m256 idx = _mm256_add_ps(_mm256_set1_ps(static_cast<float>(j)),
@@ -214,9 +185,9 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
     l[h] = sum8(sum);
   }
   // acc[h] = sum_j e[h][j] * v_j, keys in increasing order, one fma per key and element. Elements go in
-  // slices of 32 (and heads in pairs) whose sums stay in registers over all the chunk's keys: the same
-  // fmas in the same order per element as a pass per key over whole rows, without storing every
-  // element's sum back per key (which bound prefill's attention). The first slice's pass fetches each
+  // slices of 64 or 32 (heads in fours or pairs) whose sums stay in registers over all the chunk's
+  // keys: the same fmas in the same order per element as a pass per key over whole rows, without
+  // storing every element's sum back per key (which bound prefill's attention). The first slice's pass fetches each
   // V row ahead; the later slices find it in L1/L2 (a chunk's rows: at most kChunk x Hkv x D floats).
   int64_t c = 0;
 #ifdef LOCKSTEP_AVX512
