@@ -118,8 +118,9 @@ I8_TARGET void int8_tile(const uint8_t* wq, int64_t k, const WMeta* meta, const 
     const int8_t* xq = xp.q.data() + at * kXGroupBytes;
 #ifdef LOCKSTEP_AVX512
     const XSums xs = Q::xsums(iload(&xp.bs[at * 32]), iload(&xp.bs[at * 32 + 16]));
-    // one chain per integer sum, started at minus the x-side terms (the tile's 8 rows keep the chains
-    // apart; two per sum and the subtraction after cost 0.91-0.98x this time: int8_kernel_rows.py)
+    // one chain per integer sum, started at minus the x-side terms: the tile's 8 rows keep enough
+    // chains in flight, and this took 0.90-0.98x the time of two chains per sum with the subtraction
+    // after (Q5_0, Q6_K; benchmarks/kernel_source_ab.py)
     IV r[NT][S];
     IV start[S];
     UNROLL for (int s = 0; s < S; ++s) start[s] = izero();
