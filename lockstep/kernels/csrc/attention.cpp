@@ -45,7 +45,6 @@ inline __m256 exp8(__m256 x) {
 
 inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
-
 inline float sum8(__m256 h) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
@@ -130,9 +129,12 @@ inline void pv_slice(const DecodeShape& sh, const float* scores, int64_t np, con
   const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d;
   const float* vrow0 = vbuf + kvh * d;
   int64_t h = 0;
+  // fours (AVX-512), then pairs, then one: a group of 2 or 6 heads keeps sharing its V loads by pairs
   for (; h + kPvHeads <= g; h += kPvHeads)
     pv_heads<kPvHeads, W>(scores + h * np, np, vrow0, row, slots, n, c, d, acc + h * d, fetch && h == 0);
-  for (; h < g; ++h) pv_heads<1, W>(scores + h * np, np, vrow0, row, slots, n, c, d, acc + h * d, fetch && h == 0);
+  for (; h + 2 <= g; h += 2)
+    pv_heads<2, W>(scores + h * np, np, vrow0, row, slots, n, c, d, acc + h * d, fetch && h == 0);
+  if (h < g) pv_heads<1, W>(scores + h * np, np, vrow0, row, slots, n, c, d, acc + h * d, fetch && h == 0);
 }
 
 // One work item: keys kv_slots[first .. first + n) (n <= kChunk) for query heads [g0, g0 + group) of KV
@@ -187,8 +189,9 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
   // acc[h] = sum_j e[h][j] * v_j, keys in increasing order, one fma per key and element. Elements go in
   // slices of 64 or 32 (heads in fours or pairs) whose sums stay in registers over all the chunk's
   // keys: the same fmas in the same order per element as a pass per key over whole rows, without
-  // storing every element's sum back per key (which bound prefill's attention). The first slice's pass fetches each
-  // V row ahead; the later slices find it in L1/L2 (a chunk's rows: at most kChunk x Hkv x D floats).
+  // storing every element's sum back per key (which bound prefill's attention). The first slice's
+  // pass fetches each V row ahead; the later slices find it in L1/L2 (a chunk's rows: at most kChunk x
+  // Hkv x D floats).
   int64_t c = 0;
 #ifdef LOCKSTEP_AVX512
   for (; c + 64 <= d; c += 64) pv_slice<4>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
