@@ -60,6 +60,11 @@ class ServerArgs:
               "q8_0/q4_0, a compiled int8 kernel), measured faster for one user and for many; "
               "--no-int8-activations serves the exact float32 path (agreement with it: "
               "docs/benchmarks.md).", "model")
+    kv_cache_dtype: str = flag(
+        "auto", "Type of the K/V cache. auto: float16 where int8 activations are on (llama.cpp's "
+                "KV cache type; half the memory and half the bytes each decode step reads), else "
+                "--dtype's, so the exact float32 path stays float32 throughout.", "model",
+        choices=["auto", "float32", "bfloat16", "float16"])
     context_length: int | None = flag(None, "Override the model's.", "model")
     host: str = flag("127.0.0.1", "Address to listen on.", "server")
     port: int = flag(30000, "Port to listen on.", "server")

@@ -82,6 +82,27 @@ def test_decode_attention_reads_q_rows_from_a_fused_qkv_view(variant) -> None:
                        run(variant, q, k_buf, v_buf, slots, starts, lens_t, 0.1, None, None))
 
 
+@pytest.mark.parametrize("variant", variant_params())
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "window"), [(None, None), (30.0, 64)])
+def test_a_16_bit_pool_gives_the_bits_of_its_values_in_float32(variant, kv_dtype, softcap, window) -> None:
+    """--kv-cache-dtype float16 (the int8 path's default) / bfloat16: the kernel widens each stored
+    value exactly, so its output is bitwise the float32 pool's holding the rounded values, with the
+    many-rows (prefill) path and batch invariance as before; the reference serves the same numbers."""
+    lens = [1, 17, 256, 300, 513] + [40] * 40  # 45 rows: the many-rows path on two threads
+    q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 256, lens, seed=5)
+    k16, v16 = k_buf.to(kv_dtype), v_buf.to(kv_dtype)
+    args = (0.0625, softcap, window)
+    out = run(variant, q, k16, v16, slots, starts, lens_t, *args)
+    assert torch.equal(out, run(variant, q, k16.float(), v16.float(), slots, starts, lens_t, *args))
+    for i in (0, 3, 44):
+        alone = run(variant, q[i:i + 1], k16, v16, slots, starts[i:i + 1], lens_t[i:i + 1], *args)
+        assert torch.equal(alone[0], out[i])
+    ref = decode_attention_reference(q, k16, v16, slots, starts, lens_t, *args)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert decode_attention(q, k16, v16, slots, starts, lens_t, *args).dtype == torch.float32
+
+
 def test_decode_attention_variants_agree_bitwise() -> None:
     from lockstep.kernels.build import missing_flags
 
@@ -89,9 +110,11 @@ def test_decode_attention_variants_agree_bitwise() -> None:
         pytest.skip("needs a CPU that runs both variants")
     lens = [3, 140, 300, 700]
     q, k_buf, v_buf, slots, starts, lens_t = make_pool(4, 1, 256, lens)
-    for args in ((0.0625, None, None), (0.0625, 30.0, 512)):
-        assert torch.equal(run("avx2", q, k_buf, v_buf, slots, starts, lens_t, *args),
-                           run("avx512", q, k_buf, v_buf, slots, starts, lens_t, *args))
+    for kv in (torch.float32, torch.float16):
+        k, v = k_buf.to(kv), v_buf.to(kv)
+        for args in ((0.0625, None, None), (0.0625, 30.0, 512)):
+            assert torch.equal(run("avx2", q, k, v, slots, starts, lens_t, *args),
+                               run("avx512", q, k, v, slots, starts, lens_t, *args))
 
 
 @pytest.mark.parametrize("variant", variant_params())

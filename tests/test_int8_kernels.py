@@ -128,6 +128,17 @@ def test_panels_and_strided_shards(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", int8_variant_params())
+def test_an_output_past_the_caches_is_the_reference_bitwise(variant: str) -> None:
+    """A vocabulary-wide output at a decode batch (over 8 MiB: written with non-temporal stores, whole
+    runs per x row) with rows not a multiple of the tile or the panel, and x rows not a multiple of 16."""
+    n, k, m = 70_003, 64, 33  # 9.2 MB of float32 output
+    blocks = random_blocks("Q8_0", n, k, seed=40)
+    x = activations(m, k, seed=41)
+    assert torch.equal(compiled(variant).linear_int8(x, blocks, "Q8_0", k),
+                       linear_int8_reference(x, blocks, "Q8_0", k))
+
+
+@pytest.mark.parametrize("variant", int8_variant_params())
 def test_fused_parts_are_each_part_bitwise(variant: str) -> None:
     """A fused layer's parts of three block types (rows not multiples of a tile, one part narrower
     than a tile, one a strided column slice) in one call: each part's columns are that part's own

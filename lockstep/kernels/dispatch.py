@@ -61,6 +61,9 @@ class Table:
         return getattr(self, op).compiled is not None
 
 
+_KV_TYPES = (torch.float32, torch.float16, torch.bfloat16)  # the K/V pool types the attention kernel reads
+
+
 def _cpu_f32(*ts: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
 
@@ -115,7 +118,8 @@ _TAKES: dict[str, Callable[..., bool]] = {
     "linear_parts": lambda x, parts, k: all(_blocks_fit(x, b, kind, k) for b, kind in parts),
     "linear_int8_parts": lambda x, parts, k: all(_blocks_fit(x, b, kind, k) for b, kind in parts),
     # head dim: whole vectors of 16
-    "decode_attention": lambda q, k_buf, *_: _cpu_f32(q, k_buf) and q.shape[-1] % 16 == 0,
+    "decode_attention": lambda q, k_buf, *_: (_cpu_f32(q) and k_buf.device.type == "cpu" and k_buf.dtype in _KV_TYPES
+                                              and q.shape[-1] % 16 == 0),
     "argmax": lambda x: _rows(x) and x.shape[1] > 0, "rms_norm": lambda x, w, eps: _rows(x) and _cpu_f32(w),
     "add_rms_norm": lambda h, x, wx, wy, eps: _rows(h, x),
     "qk_norm_rope": lambda qkv, n_q, n_kv, d, qw, kw, cos, sin, eps: _rows(qkv, cos, sin, dims=(1, 2, 3)),

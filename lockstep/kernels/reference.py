@@ -47,8 +47,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      window: int | None) -> torch.Tensor:
     r, h, d = q.shape
     hkv = k_buf.shape[1]
-    # one gather for the batch (a call per request costs more at batch 32), then each request's rows
-    keys_all, vals_all = k_buf.index_select(0, kv_slots), v_buf.index_select(0, kv_slots)
+    # one gather for the batch (a call per request costs more at batch 32), then each request's rows; a
+    # 16-bit pool's values widen to q's type exactly, as the kernel widens them
+    keys_all = k_buf.index_select(0, kv_slots).to(q.dtype)
+    vals_all = v_buf.index_select(0, kv_slots).to(q.dtype)
     outs = []
     for i, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
         lo = 0 if window is None else max(0, n - window)

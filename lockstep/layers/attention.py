@@ -46,8 +46,9 @@ class PagedAttention(nn.Module):
     def _batched(self, q: torch.Tensor, fb: ForwardBatch, meta: AttentionMetadata,
                  pool: TokenToKVPool) -> torch.Tensor:
         b, qn = fb.batch_size, meta.max_q
-        keys = self._gather(pool.k_buffer[self.layer_id], meta.kv_indices)  # [B, Hkv, L, D]
-        vals = self._gather(pool.v_buffer[self.layer_id], meta.kv_indices)
+        # [B, Hkv, L, D], in q's type where the pool keeps another (--kv-cache-dtype)
+        keys = self._gather(pool.k_buffer[self.layer_id], meta.kv_indices).to(q.dtype)
+        vals = self._gather(pool.v_buffer[self.layer_id], meta.kv_indices).to(q.dtype)
         if qn == 1 and q.shape[0] == b:
             qp = q.view(b, 1, self.n_heads, self.head_dim)
         else:

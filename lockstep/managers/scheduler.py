@@ -475,6 +475,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
         max_running_requests=args.max_running_requests, context_length=args.context_length,
         local_ranks=local_ranks, quantization=args.quantization,
         int8_activations=args.int8_activations,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, args.device),
     )
     torch.manual_seed(args.random_seed)
     runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)

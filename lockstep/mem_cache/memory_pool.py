@@ -63,5 +63,8 @@ class TokenToKVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer][loc] = k
-        self.v_buffer[layer][loc] = v
+        """K/V rounded to the pool's type (--kv-cache-dtype) by torch's conversion, as the compiled
+        decoder layer rounds them."""
+        buf = self.k_buffer[layer]
+        self.k_buffer[layer][loc] = k.to(buf.dtype)
+        self.v_buffer[layer][loc] = v.to(buf.dtype)

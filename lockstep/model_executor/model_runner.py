@@ -17,6 +17,7 @@ from lockstep.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenT
 from lockstep.model_executor.weight_setup import load_model_weights
 from lockstep.model_loader.source import ModelSource
 from lockstep.models.registry import build_model
+from lockstep.utils.process import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,17 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def kv_cache_dtype(name: torch.dtype | None, dtype: torch.dtype, int8_activations: bool) -> torch.dtype:
+    """The K/V pool's type. auto (None): float16 where int8 activations are on, as llama.cpp keeps its
+    KV cache (a batch-32 decode step read 377 MB of float32 K/V, the attention bound by memory at
+    ~25 ms of a ~60 ms step); else the model's dtype, so the exact float32 path stays float32 end to
+    end (the HF-equality oracle). A 16-bit pool rounds each K/V value once, on write: no request's
+    numbers depend on its batch either way."""
+    if name is not None:
+        return name
+    return torch.float16 if int8_activations else dtype
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class RunnerConfig:
     local_ranks: int = 1
     quantization: str | None = None  # --quantization: pack a float checkpoint into blocks
     int8_activations: bool | None = None  # --int8-activations; None: on where it applies
+    kv_cache_dtype: torch.dtype | None = None  # --kv-cache-dtype; None (auto): see kv_cache_dtype()
 
 
 @dataclass
@@ -70,11 +83,14 @@ class ModelRunner:
         self.pp = pp
         self.device = cfg.device
         self.dtype = cfg.dtype
+        if cfg.device == "cpu":
+            keep_freed_memory()  # the head's logits reuse one block of memory step after step
         t0 = time.perf_counter()
         with torch.device(cfg.device):
             self.model = build_model(model_cfg, tp, cfg.dtype, pp)
-        load_model_weights(self.model, source, cfg.quantization, cfg.dtype, cfg.device,
-                           cfg.int8_activations)
+        int8_on = load_model_weights(self.model, source, cfg.quantization, cfg.dtype, cfg.device,
+                                     cfg.int8_activations)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, cfg.dtype, int8_on)
         self.model.eval()
         logger.info("weights loaded in %.1f s", time.perf_counter() - t0)
         self.context_len = min(cfg.context_length or model_cfg.max_position, model_cfg.max_position)
@@ -85,7 +101,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests + 1, row_len, cfg.device)
         layer_ids = range(self.model.start_layer, self.model.end_layer)
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, layer_ids,
-                                              self.n_kv_local, model_cfg.head_dim, cfg.dtype, cfg.device)
+                                              self.n_kv_local, model_cfg.head_dim, self.kv_dtype, cfg.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, cfg.device)
         self.windows = set(model_cfg.layer_windows)
         self.pp_stats = PipelineStats()
@@ -95,7 +111,7 @@ class ModelRunner:
             return self.cfg.max_total_tokens
         n_layers = self.model.end_layer - self.model.start_layer
         per_token = TokenToKVPool.bytes_per_token(n_layers, self.n_kv_local,
-                                                  self.model_cfg.head_dim, self.dtype)
+                                                  self.model_cfg.head_dim, self.kv_dtype)
         free = (torch.cuda.mem_get_info()[0] if self.device == "cuda"
                 else psutil.virtual_memory().available // self.cfg.local_ranks)
         tokens = int(free * self.cfg.mem_fraction_static) // per_token

@@ -23,8 +23,9 @@ _BLOCK_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def load_model_weights(model: nn.Module, source: ModelSource, quantization: str | None,
-                       dtype: torch.dtype, device: str, int8_activations: bool | None = None) -> None:
-    """`int8_activations` None is the default: on where it applies (`int8_applies`)."""
+                       dtype: torch.dtype, device: str, int8_activations: bool | None = None) -> bool:
+    """`int8_activations` None is the default: on where it applies (`int8_applies`). Returns whether
+    int8 activations are on."""
     if int8_activations is None:
         int8_activations = int8_applies(source, quantization, dtype, device)
     if quantization is not None and source.gguf_file is not None:
@@ -48,8 +49,12 @@ def load_model_weights(model: nn.Module, source: ModelSource, quantization: str 
     model.after_loading()
     if int8_activations:
         _log_int8(model)
-    if not dequantized:
-        return
+    if dequantized:
+        _log_dequantized(dequantized, dtype, device)
+    return int8_activations
+
+
+def _log_dequantized(dequantized: Counter[str], dtype: torch.dtype, device: str) -> None:
     types = ", ".join(f"{t} ({n} tensors)" for t, n in sorted(dequantized.items()))
     if dtype != torch.float32 or device != "cpu":
         logger.info("%s on %s: %s dequantized at load (the block kernels run float32 "

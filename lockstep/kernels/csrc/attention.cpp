@@ -1,6 +1,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "blocks.h"
@@ -19,6 +20,14 @@ namespace lockstep {
 //           order, then a fixed tree), acc = sum of e * v in increasing key order (fma);
 //   combined over chunks in chunk order: out = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c.
 // exp8 and the lane trees are the same instructions in both builds, so AVX2 and AVX-512 agree bitwise.
+// K/V are float32, float16 or bfloat16 in the pool (--kv-cache-dtype); a 16-bit element widens to float32
+// exactly on load, so the arithmetic above runs on the stored values, and a 16-bit pool gives the bits of
+// a float32 pool holding the same (rounded) values.
+
+// one K/V element row's 16 lanes from the pool as float32 (exact for every stored type)
+inline V kv_load(const float* p) { return vload(p); }
+inline V kv_load(const at::Half* p) { return from_f16(reinterpret_cast<const uint8_t*>(p)); }
+inline V kv_load(const at::BFloat16* p) { return from_bf16(reinterpret_cast<const uint8_t*>(p)); }
 
 constexpr int64_t kChunk = 256;  // keys per work item: long contexts split across threads
 constexpr int64_t kRowsPerThread = 16;  // from this many query rows per thread, tasks are whole rows
@@ -60,20 +69,20 @@ constexpr int kDotHeads = 2;
 
 // s[h * stride] = dot(q_h, k) for NH heads whose rows are qd apart; d is a multiple of 16 (element i
 // goes to lane i % 32)
-template <int NH>
-inline void dot_heads(const float* q, int64_t qd, const float* k, int64_t d, float* s, int64_t stride) {
+template <int NH, class E>
+inline void dot_heads(const float* q, int64_t qd, const E* k, int64_t d, float* s, int64_t stride) {
   V acc[NH][2];
   UNROLL for (int h = 0; h < NH; ++h) acc[h][0] = acc[h][1] = vzero();
   int64_t i = 0;
   for (; i + 32 <= d; i += 32) {
-    const V k0 = vload(k + i), k1 = vload(k + i + 16);
+    const V k0 = kv_load(k + i), k1 = kv_load(k + i + 16);
     UNROLL for (int h = 0; h < NH; ++h) {
       acc[h][0] = vfma(vload(q + h * qd + i), k0, acc[h][0]);
       acc[h][1] = vfma(vload(q + h * qd + i + 16), k1, acc[h][1]);
     }
   }
   if (i < d) {
-    const V k0 = vload(k + i);
+    const V k0 = kv_load(k + i);
     UNROLL for (int h = 0; h < NH; ++h) acc[h][0] = vfma(vload(q + h * qd + i), k0, acc[h][0]);
   }
   UNROLL for (int h = 0; h < NH; ++h) s[h * stride] = reduce32(acc[h][0], acc[h][1]);
@@ -84,11 +93,14 @@ inline void dot_heads(const float* q, int64_t qd, const float* k, int64_t d, flo
 // keys, allocated together) the prefetcher does follow, and the 16 extra instructions per key only
 // cost: a 2,048-row prefill layer took 0.78-0.96x the time without them on Zen 4 (three A/B pairs).
 constexpr int64_t kAhead = 2;
-inline void prefetch_row(const float* p, int64_t d) {
-  for (int64_t i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+template <class E>
+inline void prefetch_row(const E* p, int64_t d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < d * static_cast<int64_t>(sizeof(E)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
 // the row of key j + kAhead (at base + slot * row) while key j's is read, unless its slot follows in order
-inline void fetch_ahead(const float* base, const int64_t* slots, int64_t j, int64_t n, int64_t row, int64_t d) {
+template <class E>
+inline void fetch_ahead(const E* base, const int64_t* slots, int64_t j, int64_t n, int64_t row, int64_t d) {
   if (j + kAhead < n && slots[j + kAhead] != slots[j] + kAhead) prefetch_row(base + slots[j + kAhead] * row, d);
 }
 
@@ -105,16 +117,16 @@ constexpr int kPvHeads = 2;
 
 // acc[h][c .. c + 16 W) = sum_j p[h][j] * v_j[c ..] for NH heads (p rows np apart, acc rows d apart),
 // keys in increasing order
-template <int NH, int W>
-inline void pv_heads(const float* p, int64_t np, const float* vrow0, int64_t row, const int64_t* slots,
+template <int NH, int W, class E>
+inline void pv_heads(const float* p, int64_t np, const E* vrow0, int64_t row, const int64_t* slots,
                      int64_t n, int64_t c, int64_t d, float* o, bool fetch) {
   V a[NH][W];
   UNROLL for (int h = 0; h < NH; ++h) UNROLL for (int w = 0; w < W; ++w) a[h][w] = vzero();
   for (int64_t j = 0; j < n; ++j) {
     if (fetch) fetch_ahead(vrow0, slots, j, n, row, d);
-    const float* v = vrow0 + slots[j] * row + c;
+    const E* v = vrow0 + slots[j] * row + c;
     V vv[W];
-    UNROLL for (int w = 0; w < W; ++w) vv[w] = vload(v + 16 * w);
+    UNROLL for (int w = 0; w < W; ++w) vv[w] = kv_load(v + 16 * w);
     UNROLL for (int h = 0; h < NH; ++h) {
       const V s = vset1(p[h * np + j]);
       UNROLL for (int w = 0; w < W; ++w) a[h][w] = vfma(s, vv[w], a[h][w]);
@@ -123,11 +135,11 @@ inline void pv_heads(const float* p, int64_t np, const float* vrow0, int64_t row
   UNROLL for (int h = 0; h < NH; ++h) UNROLL for (int w = 0; w < W; ++w) vstore(o + h * d + c + 16 * w, a[h][w]);
 }
 
-template <int W>
-inline void pv_slice(const DecodeShape& sh, const float* scores, int64_t np, const float* vbuf,
+template <int W, class E>
+inline void pv_slice(const DecodeShape& sh, const float* scores, int64_t np, const E* vbuf,
                      const int64_t* slots, int64_t n, int64_t kvh, int64_t c, float* acc, bool fetch) {
   const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d;
-  const float* vrow0 = vbuf + kvh * d;
+  const E* vrow0 = vbuf + kvh * d;
   int64_t h = 0;
   // fours (AVX-512), then pairs, then one: a group of 2 or 6 heads keeps sharing its V loads by pairs
   for (; h + kPvHeads <= g; h += kPvHeads)
@@ -139,13 +151,14 @@ inline void pv_slice(const DecodeShape& sh, const float* scores, int64_t np, con
 
 // One work item: keys kv_slots[first .. first + n) (n <= kChunk) for query heads [g0, g0 + group) of KV
 // head `kvh`. Writes m[h], l[h] and acc[h][dim] (unnormalized) for each head of the group.
-void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, const float* vbuf,
+template <class E>
+void attend_chunk(const DecodeShape& sh, const float* q, const E* kbuf, const E* vbuf,
                   const int64_t* slots, int64_t n, int64_t kvh, float* scores, float* m, float* l,
                   float* acc) {
   const int64_t d = sh.dim, g = sh.group, row = sh.kv_heads * d, np = (n + 7) / 8 * 8;
   for (int64_t j = 0; j < n; ++j) {
     fetch_ahead(kbuf + kvh * d, slots, j, n, row, d);
-    const float* k = kbuf + slots[j] * row + kvh * d;
+    const E* k = kbuf + slots[j] * row + kvh * d;
     int64_t h = 0;
     for (; h + kDotHeads <= g; h += kDotHeads) dot_heads<kDotHeads>(q + h * d, d, k, d, scores + h * np + j, np);
     for (; h < g; ++h) dot_heads<1>(q + h * d, d, k, d, scores + h * np + j, np);
@@ -194,10 +207,10 @@ void attend_chunk(const DecodeShape& sh, const float* q, const float* kbuf, cons
   // Hkv x D floats).
   int64_t c = 0;
 #ifdef LOCKSTEP_AVX512
-  for (; c + 64 <= d; c += 64) pv_slice<4>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
+  for (; c + 64 <= d; c += 64) pv_slice<4, E>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
 #endif
-  for (; c + 32 <= d; c += 32) pv_slice<2>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
-  if (c < d) pv_slice<1>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
+  for (; c + 32 <= d; c += 32) pv_slice<2, E>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
+  if (c < d) pv_slice<1, E>(sh, scores, np, vbuf, slots, n, kvh, c, acc, c == 0);
 }
 
 // q [R, H, D]; k/v buffers [S, Hkv, D]; request r reads slots kv_slots[start[r] .. start[r] + len[r]),
@@ -209,10 +222,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2) &&
                   q.device().is_cpu(),
               "q must be float32 [R, H, D] on the CPU, each row's H x D contiguous");
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && v_buf.scalar_type() == at::kFloat && k_buf.dim() == 3 &&
-                  k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() &&
-                  k_buf.device().is_cpu() && v_buf.device().is_cpu(),
-              "K and V buffers must be contiguous float32 [S, Hkv, D] of one shape on the CPU");
+  const at::ScalarType kv_type = k_buf.scalar_type();
+  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
+                  v_buf.scalar_type() == kv_type && k_buf.dim() == 3 && k_buf.is_contiguous() &&
+                  v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() && k_buf.device().is_cpu() &&
+                  v_buf.device().is_cpu(),
+              "K and V buffers must be contiguous [S, Hkv, D] of one shape and one type (float32, float16 or "
+              "bfloat16) on the CPU");
   for (const at::Tensor* t : {&kv_slots, &start, &len})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
                 "slots, starts and lengths must be contiguous int64 vectors");
@@ -239,15 +255,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   const int64_t items = item0[r_n], g = sh.group, item_floats = g * (d + 2);
   const float* qp = q.data_ptr<float>();
   const int64_t q_rs = q.stride(0);
-  const float* kb = k_buf.data_ptr<float>();
-  const float* vb = v_buf.data_ptr<float>();
+  const void* kb = k_buf.data_ptr();
+  const void* vb = v_buf.data_ptr();
   float* op = out.data_ptr<float>();
   // item `local` of row r: KV head local % kvh_n, chunk local / kvh_n; its m, l, acc go to `pp`
   auto attend = [&](int64_t r, int64_t local, float* scores, float* pp) {
     const int64_t kvh = local % kvh_n, c = local / kvh_n;
     const int64_t first = sp[r] + lo[r] + c * kChunk;
     const int64_t n = std::min(kChunk, sp[r] + lp[r] - first);
-    attend_chunk(sh, qp + r * q_rs + kvh * g * d, kb, vb, slots + first, n, kvh, scores, pp, pp + g, pp + 2 * g);
+    const float* qr = qp + r * q_rs + kvh * g * d;
+    auto go = [&](auto* e) {  // e: a null pointer of the pool's element type
+      using E = std::remove_const_t<std::remove_pointer_t<decltype(e)>>;
+      attend_chunk(sh, qr, static_cast<const E*>(kb), static_cast<const E*>(vb), slots + first, n, kvh, scores, pp,
+                   pp + g, pp + 2 * g);
+    };
+    if (kv_type == at::kHalf) go(static_cast<const at::Half*>(nullptr));
+    else if (kv_type == at::kBFloat16) go(static_cast<const at::BFloat16*>(nullptr));
+    else go(static_cast<const float*>(nullptr));
   };
   // row r's output from its items at `rp` (in item order), chunks combined in chunk order
   auto merge = [&](int64_t r, const float* rp) {

@@ -72,8 +72,9 @@ at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& nor
   qk_norm_rope(qkv, hq, hk, dh, qw, kw, cos, sin, qk_eps);
   const int64_t t = qkv.size(0);
   const at::Tensor q = qkv.narrow(1, 0, hq * dh).view({t, hq, dh});
-  k_buf.index_put_({loc}, qkv.narrow(1, hq * dh, hk * dh).view({t, hk, dh}));
-  v_buf.index_put_({loc}, qkv.narrow(1, (hq + hk) * dh, hk * dh).view({t, hk, dh}));
+  // K/V rounded to the pool's type (--kv-cache-dtype) as TokenToKVPool.set_kv rounds them: torch's conversion
+  k_buf.index_put_({loc}, qkv.narrow(1, hq * dh, hk * dh).view({t, hk, dh}).to(k_buf.scalar_type()));
+  v_buf.index_put_({loc}, qkv.narrow(1, (hq + hk) * dh, hk * dh).view({t, hk, dh}).to(v_buf.scalar_type()));
   const at::Tensor a = matmul(decode_attention(q, k_buf, v_buf, kv_slots, starts, lens, scaling, softcap, window),
                               1, c10::nullopt);
   // residual steps around the MLP (layers/norm.add_norm)
