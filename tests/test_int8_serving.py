@@ -35,6 +35,8 @@ def test_default_model_is_int8_batch_invariant_and_near_float32() -> None:
     of 32 of mixed lengths; and first greedy tokens mostly agree with the exact float32 path's."""
     import random
 
+    import torch
+
     from lockstep.testing.corpus import random_prompt
     from lockstep.testing.inproc import default_tokenizer
 
@@ -52,6 +54,7 @@ def test_default_model_is_int8_batch_invariant_and_near_float32() -> None:
     def run(s, ids: list[int], tag: str) -> dict:
         return run_to_completion(s, [greedy_req(f"{tag}{i}", prompts[i], 10, return_logprob=True) for i in ids])
 
+    assert sched.worker.runner.kv_dtype == torch.float16  # the default beside int8 activations
     batched = run(sched, list(range(32)), "b")
     for i in (0, 7, 31):
         alone = run(sched, [i], "a")[f"a{i}"]
@@ -127,3 +130,33 @@ def test_the_default_is_int8_where_integer_blocks_are(tiny_model_dirs, tmp_path,
     assert n_int8(float_dir) == 0
     assert n_int8(float_dir, quantization="fp16") == 0
     assert n_int8(gguf_path, int8_activations=False) == 0
+
+
+def test_the_kv_cache_type_follows_the_arithmetic_unless_set(tiny_model_dirs, tmp_path, monkeypatch) -> None:
+    """--kv-cache-dtype auto: float16 K/V beside int8 activations (llama.cpp's cache type), float32 on the
+    exact path (the HF-equality oracle stays float32 throughout); a set type wins either way, and the
+    pool's token budget counts its bytes. Greedy tokens still come out through a float16 pool."""
+    import torch
+
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
+    float_dir = tiny_model_dirs["qwen2"]
+
+    def runner(**kw):
+        return make_scheduler(float_dir, max_total_tokens=1024, **kw).worker.runner
+
+    def pool_type(r) -> torch.dtype:
+        return next(iter(r.token_to_kv_pool.k_buffer.values())).dtype
+
+    exact = runner()
+    assert exact.kv_dtype == pool_type(exact) == torch.float32
+    assert pool_type(runner(kv_cache_dtype="float16")) == torch.float16
+    if compiled("linear_int8"):  # the default turns int8 on only where its kernel is compiled
+        r8 = runner(quantization="q8_0")
+        assert r8.kv_dtype == pool_type(r8) == torch.float16
+        assert pool_type(runner(quantization="q8_0", kv_cache_dtype="float32")) == torch.float32
+    sched = make_scheduler(float_dir, max_total_tokens=1024, kv_cache_dtype="bfloat16")
+    out = run_to_completion(sched, [greedy_req("r", tiny_prompts(float_dir, 1, seed=2)[0], 6)])["r"]
+    assert len(out.output_ids) == 6
+    with pytest.raises(SystemExit):
+        from lockstep.cli import serve_parser
+        serve_parser().parse_args(["--kv-cache-dtype", "int4"])

@@ -35,14 +35,15 @@ from lockstep.layers.quantization import QUANTIZATION_METHODS
 
 
 def _scheduler(model_path: str | None, dtype: str, max_tokens: int, n: int,
-               quantization: str | None = None, int8_activations: bool = False) -> Any:
+               quantization: str | None = None, int8_activations: bool = False,
+               kv_cache_dtype: str = "auto") -> Any:
     from lockstep.managers.scheduler import create_scheduler
     from lockstep.server_args import ServerArgs
 
     return create_scheduler(ServerArgs(model_path=model_path, dtype=dtype, max_total_tokens=max_tokens,
                                        max_running_requests=n, disable_radix_cache=True,
                                        quantization=quantization,
-                                       int8_activations=int8_activations))
+                                       int8_activations=int8_activations, kv_cache_dtype=kv_cache_dtype))
 
 
 def _drain(sched: Any, reqs: list[Any]) -> dict[str, dict[str, list]]:
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Compare float32 with --quantization instead (use with --dtype float32).")
     p.add_argument("--int8-activations", action="store_true",
                    help="Compare float32 with --int8-activations (use with --dtype float32).")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="The compared server's K/V cache type (float32's own is float32).")
     p.add_argument("--llama-server", default=None, metavar="URL",
                    help="Compare float32 with a llama-server serving the same GGUF (its own agreement).")
     p.add_argument("--seed", type=int, default=0)
@@ -140,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                                            args.output_len)
     else:
         low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts, args.quantization,
-                         args.int8_activations)
+                         args.int8_activations, args.kv_cache_dtype)
         label = " ".join([args.dtype] + ([f"--quantization {args.quantization}"] if args.quantization
-                                         else []) + (["--int8-activations"] if args.int8_activations else []))
+                                         else []) + (["--int8-activations"] if args.int8_activations else [])
+                         + ([f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else []))
         free = greedy(low, prompts, args.output_len)
         low_top1 = [[pos[0][1] for pos in t] for t in teacher_forced_top(low, prompts, ref)]
         del low
