@@ -2,7 +2,7 @@
 in chunks as the server does it (default flags and model, in-process scheduler, the layers run module by
 module so the profiler sees each kernel; the one-call layers cost the same), and the unprofiled wall time.
 
-    python benchmarks/prefill_profile.py [--prompt-len 2048] [--chunk 512]
+    python benchmarks/prefill_profile.py [--prompt-len 2048] [--chunk 512] [--kv-cache-dtype float32]
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--chunk", type=int, default=512, help="chunked_prefill_size (-1: one step)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     args = p.parse_args()
     label_kernels()
     n = args.prompt_len
     prompts = make_prompts(load_tokenizer(str(resolve_model(None).model_dir)), 4, n, 0)
     sched = create_scheduler(ServerArgs(
         max_running_requests=1, max_total_tokens=n + 256, chunked_prefill_size=args.chunk,
-        disable_radix_cache=True, enable_overlap_schedule=False))
+        disable_radix_cache=True, enable_overlap_schedule=False, kv_cache_dtype=args.kv_cache_dtype))
     for m in sched.worker.runner.model.modules():  # module by module: the profiler sees each kernel
         if hasattr(m, "one_call_args"):
             m.one_call_args = [None] * len(m.one_call_args)
