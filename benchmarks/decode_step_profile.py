@@ -33,6 +33,8 @@ GROUPS = {
                        "aten::mm", "aten::_softmax", "aten::masked_fill_", "aten::masked_fill"],
     "decode attention kernel": ["lockstep::decode_attention"],
     "argmax": ["aten::argmax", "aten::max", "lockstep::argmax"],
+    # a whole layer in one compiled call (the default on a CPU): its linears and attention inside
+    "one-call decoder layers": ["lockstep::decoder_layer"],
 }
 
 
@@ -54,6 +56,7 @@ def label_kernels() -> None:
     kernels.embedding = _labelled(kernels.embedding, "lockstep::embedding")
     attention.decode_attention = _labelled(attention.decode_attention, "lockstep::decode_attention")
     sampler.argmax = _labelled(sampler.argmax, "lockstep::argmax")
+    kernels.decoder_layer = _labelled(kernels.decoder_layer, "lockstep::decoder_layer")
 
 
 def group_ms(prof: Any, runs: int) -> tuple[dict[str, float], float]:
