@@ -157,6 +157,7 @@ def test_the_kv_cache_type_follows_the_arithmetic_unless_set(tiny_model_dirs, tm
     sched = make_scheduler(float_dir, max_total_tokens=1024, kv_cache_dtype="bfloat16")
     out = run_to_completion(sched, [greedy_req("r", tiny_prompts(float_dir, 1, seed=2)[0], 6)])["r"]
     assert len(out.output_ids) == 6
+    from lockstep.cli import serve_parser
+
     with pytest.raises(SystemExit):
-        from lockstep.cli import serve_parser
         serve_parser().parse_args(["--kv-cache-dtype", "int4"])

@@ -65,6 +65,6 @@ class TokenToKVPool:
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V rounded to the pool's type (--kv-cache-dtype) by torch's conversion, as the compiled
         decoder layer rounds them."""
-        buf = self.k_buffer[layer]
-        self.k_buffer[layer][loc] = k.to(buf.dtype)
-        self.v_buffer[layer][loc] = v.to(buf.dtype)
+        kb, vb = self.k_buffer[layer], self.v_buffer[layer]
+        kb[loc] = k.to(kb.dtype)
+        vb[loc] = v.to(vb.dtype)

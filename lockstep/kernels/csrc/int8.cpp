@@ -185,6 +185,8 @@ inline void decode_panel(const uint8_t* w, int64_t rb, int64_t r0, int64_t rows,
   }
 }
 
+constexpr int64_t kMaxPanelRows = 64;  // W rows per int8 panel at most (panel_rows)
+
 // An 8 x 8 block of floats transposed: in rows 8 apart (stride si), out rows so apart
 inline void transpose8x8(const float* in, int64_t si, float* out, int64_t so) {
   __m256 r[8], t[8];
@@ -211,13 +213,14 @@ inline void transpose8x8(const float* in, int64_t si, float* out, int64_t so) {
 // for an output too big to stay cached.
 inline void store_panel(const float* yb, int64_t rows, int64_t lanes, float* y, int64_t ldy, int64_t g, int64_t c0,
                         bool stream) {
-  alignas(64) float yt[kXLanes * 64];
+  alignas(64) float yt[kXLanes * kMaxPanelRows];
   const int64_t padded = (rows + 7) / 8 * 8;
   for (int64_t j0 = 0; j0 < padded; j0 += 8)
-    for (int i0 = 0; i0 < kXLanes; i0 += 8) transpose8x8(yb + j0 * kXLanes + i0, kXLanes, yt + i0 * 64 + j0, 64);
+    for (int i0 = 0; i0 < kXLanes; i0 += 8)
+      transpose8x8(yb + j0 * kXLanes + i0, kXLanes, yt + i0 * kMaxPanelRows + j0, kMaxPanelRows);
   for (int64_t i = 0; i < lanes; ++i) {
     float* dst = y + (g * kXLanes + i) * ldy + c0;
-    const float* src = yt + i * 64;
+    const float* src = yt + i * kMaxPanelRows;
     int64_t j = 0;
     if (stream && reinterpret_cast<uintptr_t>(dst) % 32 == 0)
       for (; j + 8 <= rows; j += 8) _mm256_stream_ps(dst + j, _mm256_load_ps(src + j));
@@ -236,7 +239,7 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
   const int64_t nb = k / 32;
   std::vector<uint8_t> wq(static_cast<size_t>(prow * k), 0);
   std::vector<WMeta> meta(static_cast<size_t>(prow * nb), WMeta{0.0f, 0.0f, 0, 0});
-  alignas(64) float yb[64 * kXLanes] = {};  // a panel's outputs for one group: prow <= 64
+  alignas(64) float yb[kMaxPanelRows * kXLanes] = {};  // a panel's outputs for one group
   const bool stream = m * ldy * static_cast<int64_t>(sizeof(float)) > kStreamOutBytes;
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t r0 = p * prow, rows = std::min(prow, n - r0);
@@ -269,7 +272,7 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
 // evenly over the threads (at::parallel_for gives each ceil(panels / threads) panels). The fixed 48 rows
 // of a 640-wide matrix left one of two threads 144 of the k projection's 256 rows, the other 112.
 inline int64_t panel_rows(int64_t n, int64_t k, int64_t threads) {
-  const int64_t most = std::max<int64_t>(kI8Rows, std::min<int64_t>(64, 32768 / k) / kI8Rows * kI8Rows);
+  const int64_t most = std::max<int64_t>(kI8Rows, std::min<int64_t>(kMaxPanelRows, 32768 / k) / kI8Rows * kI8Rows);
   int64_t best = most, best_rows = n + 1;
   for (int64_t prow = most; prow >= kI8Rows; prow -= kI8Rows) {
     const int64_t panels = (n + prow - 1) / prow;
