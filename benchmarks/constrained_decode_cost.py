@@ -22,10 +22,10 @@ from typing import Any
 import lockstep.layers.sampler as sampler_mod
 from lockstep.constrained.backend import GrammarBackend, GrammarMatcher
 from lockstep.constrained.constraint import Constraint
-from lockstep.core import SamplingParams
 from lockstep.managers.scheduler import create_scheduler
 from lockstep.messages import TokenizedGenerateReq
 from lockstep.model_loader import resolve_model
+from lockstep.sampling_params import SamplingParams
 from lockstep.server_args import ServerArgs
 
 PROMPT = "Write a long story about a dragon who learns to cook:"

@@ -14,8 +14,8 @@ import argparse
 import statistics
 import time
 
-from lockstep.core import SamplingParams
 from lockstep.managers.stop_checker import stop_checker
+from lockstep.sampling_params import SamplingParams
 
 HOSTILE = ["(a|aa)+b", "(a*)*b", "(a|a?)+c", "(a+)+b", "(.*a){12}x", "(a|a)+c", "a*a*a*a*b",
            "(aa|a)+?b", r"(\w+\s?)+x$", "(x+x+)+y", r"(a{1,10}){1,10}b$", "[ab]*a[ab]{12}c$",

@@ -11,7 +11,8 @@ from typing import Any
 
 import zmq
 
-from lockstep.core import FINISH_ABORT, BaseFinishReason, SamplingParams, TokenLogprob
+from lockstep.core import FINISH_ABORT, BaseFinishReason, TokenLogprob
+from lockstep.sampling_params import SamplingParams
 
 
 @dataclass

@@ -166,7 +166,7 @@ def test_argmax_rows_equals_torch(variant) -> None:
 def test_a_decode_attends_the_same_alone_and_beside_a_prefill() -> None:
     """PagedAttention on CPU: a one-query request's output is bitwise the same in a decode batch of
     its own and in a mixed batch, beside a prefill (which takes SDPA)."""
-    from lockstep.core import ForwardBatch, ForwardMode
+    from lockstep.forward_batch import ForwardBatch, ForwardMode
     from lockstep.layers.attention import PagedAttention
     from lockstep.mem_cache.memory_pool import TokenToKVPool
 

@@ -9,12 +9,12 @@ from collections import Counter
 
 import pytest
 
-from lockstep.core import SamplingParams
 from lockstep.entrypoints.engine import launch_subprocesses
 from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput
 from lockstep.managers.data_parallel_controller import Dispatcher
 from lockstep.messages import LoadReport, TokenizedGenerateReq
+from lockstep.sampling_params import SamplingParams
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.tiny_models import tiny_prompts

@@ -12,12 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from lockstep.core import (
-    ForwardMode,
-    micro_batch_ranges,
-    split_forward_batch,
-)
 from lockstep.entrypoints.engine import launch_subprocesses
+from lockstep.forward_batch import ForwardMode, micro_batch_ranges, split_forward_batch
 from lockstep.managers.schedule_batch import ModelWorkerBatch
 from lockstep.messages import TokenizedGenerateReq
 from lockstep.server_args import ServerArgs

@@ -10,7 +10,6 @@ from lockstep.core import (
     FINISH_LENGTH,
     FINISH_MATCHED_STR,
     FINISH_MATCHED_TOKEN,
-    SamplingParams,
     TokenLogprob,
 )
 from lockstep.entrypoints import sglang_fields
@@ -31,6 +30,7 @@ from lockstep.entrypoints.openai.serving import (
     usage_of,
 )
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError
+from lockstep.sampling_params import SamplingParams
 from lockstep.utils.http import ErrorResponse, dumps, error_body
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -650,7 +650,7 @@ def test_a_value_lockstep_cannot_honour_is_refused_by_name(model, payload, expec
 
 
 def test_one_sampling_params_type_from_the_body_to_the_scheduler():
-    """The OpenAI requests build lockstep.core.SamplingParams themselves, OpenAI's names mapped."""
+    """The OpenAI requests build lockstep.sampling_params.SamplingParams themselves, OpenAI's names mapped."""
     sp = CompletionRequest.model_validate(
         {**COMPLETION, "max_tokens": 5, "min_tokens": 2, "logit_bias": {"7": 3.5},
          "json_schema": '{"type": "object"}'}).to_sampling_params()

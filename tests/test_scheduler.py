@@ -65,7 +65,7 @@ def test_lpm_orders_by_match_length(model_dir):
     sched = make_scheduler(model_dir, max_total_tokens=2000)
     shared = list(range(10, 60))
     run_to_completion(sched, [greedy_req("seed", shared, 2)])
-    from lockstep.core import SamplingParams
+    from lockstep.sampling_params import SamplingParams
     waiting = [Req(f"w{n}", shared[:n] + [7, 8, 9], SamplingParams(), arrival=i)
                for i, n in enumerate([5, 40, 0, 20])]
     order = order_waiting("lpm", waiting, sched.tree, random.Random(0))

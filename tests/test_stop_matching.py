@@ -16,10 +16,11 @@ import psutil
 import pytest
 import requests
 
-from lockstep.core import FINISH_LENGTH, FINISH_MATCHED_STR, SamplingParams
+from lockstep.core import FINISH_LENGTH, FINISH_MATCHED_STR
 from lockstep.detokenizer.detokenizer_manager import DetokenizerManager
 from lockstep.managers.stop_checker import STOP_REGEX_LOOKBACK, StopRegex, stop_checker
 from lockstep.messages import BatchTokenIDOut, ReqOutput
+from lockstep.sampling_params import SamplingParams
 from lockstep.testing.faults import perturb_env
 from lockstep.testing.live_server import LiveServer
 from lockstep.testing.tiers import marks

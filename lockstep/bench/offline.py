@@ -44,9 +44,9 @@ def run_engine(server_args: Any, rows: list[Any], ignore_eos: bool, warmup: bool
 
 
 def run_inproc(server_args: Any, rows: list[Any], ignore_eos: bool, warmup: bool) -> tuple[float, int]:
-    from lockstep.core import SamplingParams
     from lockstep.managers.scheduler import create_scheduler
     from lockstep.messages import TokenizedGenerateReq
+    from lockstep.sampling_params import SamplingParams
 
     sched = create_scheduler(server_args)
 

@@ -21,10 +21,10 @@ from pydantic import (
     model_validator,
 )
 
-from lockstep.core import NonEmptyStr, SamplingParams, TokenId, null_means_unset_schema
 from lockstep.entrypoints.sglang_fields import GENERATE, SAMPLING_PARAMS, Table, drop_off_fields
 from lockstep.entrypoints.tokenizer_manager import RequestError
 from lockstep.messages import TokenizedGenerateReq
+from lockstep.sampling_params import NonEmptyStr, SamplingParams, TokenId, null_means_unset_schema
 
 
 def json_kind(v: Any) -> str | None:

@@ -18,7 +18,6 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from lockstep import __version__
-from lockstep.core import SamplingParams
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
 from lockstep.entrypoints.fanout import (
@@ -52,6 +51,7 @@ from lockstep.entrypoints.openai.tokenize import (
     tokenize,
 )
 from lockstep.messages import TokenizedGenerateReq
+from lockstep.sampling_params import SamplingParams
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, ErrorResponse, error_response, json_response, sse
 

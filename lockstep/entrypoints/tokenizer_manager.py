@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from lockstep.core import FINISH_ABORT, BaseFinishReason, SamplingParams, TokenLogprob
+from lockstep.core import FINISH_ABORT, BaseFinishReason, TokenLogprob
 from lockstep.messages import (
     AbortReq,
     BatchStrOut,
@@ -29,6 +29,7 @@ from lockstep.messages import (
     encode,
     zmq_socket,
 )
+from lockstep.sampling_params import SamplingParams
 from lockstep.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.core import AttentionMetadata, ForwardBatch
+from lockstep.forward_batch import AttentionMetadata, ForwardBatch
 from lockstep.kernels import decode_attention
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from lockstep.constrained.backend import GrammarMatcher
-from lockstep.core import BaseFinishReason, ForwardBatch, ForwardMode, SamplingParams, TokenLogprob
+from lockstep.core import BaseFinishReason, TokenLogprob
+from lockstep.forward_batch import ForwardBatch, ForwardMode
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
 from lockstep.managers.stop_checker import StopChecker
+from lockstep.sampling_params import SamplingParams
 
 
 class ReqPhase(Enum):  # where a request is in the scheduler (ReqState is the front's record)

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from lockstep.constrained.backend import GrammarBackend, grammar_backend_for, request_matcher
-from lockstep.core import FINISH_ABORT, ForwardMode
+from lockstep.core import FINISH_ABORT
+from lockstep.forward_batch import ForwardMode
 from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
 from lockstep.managers.scheduler_output_processor import (

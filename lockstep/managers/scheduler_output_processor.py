@@ -13,9 +13,9 @@ from lockstep.core import (
     FINISH_MATCHED_STR,
     FINISH_MATCHED_TOKEN,
     BaseFinishReason,
-    ForwardMode,
     TokenLogprob,
 )
+from lockstep.forward_batch import ForwardMode
 from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.tp_worker import GenerationBatchResult
 from lockstep.messages import ReqOutput

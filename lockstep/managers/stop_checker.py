@@ -16,8 +16,8 @@ from typing import Any
 
 import re2
 
-from lockstep.core import SamplingParams
 from lockstep.detokenizer.incremental_detokenizer import IncrementalDetokenizer
+from lockstep.sampling_params import SamplingParams
 
 STOP_REGEX_LOOKBACK = 512  # characters a stop_regex match may span
 STOP_REGEX_MAX_PROGRAM = 500  # RE2 program size (automaton instructions) of one stop_regex

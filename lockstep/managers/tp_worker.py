@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lockstep.core import split_forward_batch
 from lockstep.distributed.communication import broadcast_pyobj
+from lockstep.forward_batch import split_forward_batch
 from lockstep.layers.sampler import sample
 from lockstep.managers.schedule_batch import ModelWorkerBatch
 from lockstep.model_executor.model_runner import ModelRunner

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep.configs.model_config import ModelConfig
-from lockstep.core import ForwardBatch
 from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE, ParallelGroup, PipelineGroup
+from lockstep.forward_batch import ForwardBatch
 from lockstep.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from lockstep.model_executor.weight_setup import load_model_weights
 from lockstep.model_loader.source import ModelSource

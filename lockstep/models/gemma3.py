@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from lockstep.configs.model_config import ModelConfig
-from lockstep.core import ForwardBatch
 from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
+from lockstep.forward_batch import ForwardBatch
 from lockstep.layers.norm import add_norm
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 from lockstep.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RopeTables

@@ -9,13 +9,13 @@ from torch import nn
 
 from lockstep import kernels
 from lockstep.configs.model_config import ModelConfig
-from lockstep.core import ForwardBatch
 from lockstep.distributed.parallel_state import (
     NO_PIPELINE,
     ParallelGroup,
     PipelineGroup,
     partition_layers,
 )
+from lockstep.forward_batch import ForwardBatch
 from lockstep.layers.activation import act_and_mul
 from lockstep.layers.attention import PagedAttention
 from lockstep.layers.block_weight import BlockWeight

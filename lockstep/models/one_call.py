@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lockstep import kernels
-from lockstep.core import ForwardBatch
+from lockstep.forward_batch import ForwardBatch
 from lockstep.layers.activation import COMPILED_ACT
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.mem_cache.memory_pool import TokenToKVPool

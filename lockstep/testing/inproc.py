@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lockstep.constrained.backend import grammar_vocabulary
-from lockstep.core import BaseFinishReason, SamplingParams
+from lockstep.core import BaseFinishReason
 from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.managers.scheduler import ModelFiles, Scheduler, create_scheduler
 from lockstep.messages import TokenizedGenerateReq
 from lockstep.model_loader.stop_tokens import stop_token_ids as _read_stop_token_ids
+from lockstep.sampling_params import SamplingParams
 from lockstep.server_args import ServerArgs
 
 

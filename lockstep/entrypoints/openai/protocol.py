@@ -11,7 +11,10 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from lockstep.constrained.constraint import SchemaObject, json_schema_constraint
-from lockstep.core import (
+from lockstep.entrypoints.generate_request import IdLists, Ids, StrictModel, Texts, shaped
+from lockstep.entrypoints.sglang_fields import CHAT, COMPLETIONS
+from lockstep.entrypoints.tokenizer_manager import RequestError
+from lockstep.sampling_params import (
     LogitBias,
     MinP,
     NewTokens,
@@ -28,9 +31,6 @@ from lockstep.core import (
     TopK,
     TopP,
 )
-from lockstep.entrypoints.generate_request import IdLists, Ids, StrictModel, Texts, shaped
-from lockstep.entrypoints.sglang_fields import CHAT, COMPLETIONS
-from lockstep.entrypoints.tokenizer_manager import RequestError
 
 
 def _prompt_shape(v: Any) -> str | None:
