@@ -1,7 +1,8 @@
 """The wire messages between processes, grouped by direction, and the one serializer they all
-go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq; scheduler ->
-detokenizer: BatchTokenIDOut (and FlushCacheOut, passed through); detokenizer -> front:
-BatchStrOut; scheduler -> DP controller: LoadReport."""
+go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq; a replica's input
+rank -> its every rank (in the broadcast inputs): GrammarsReady; scheduler -> detokenizer:
+BatchTokenIDOut (and FlushCacheOut, passed through); detokenizer -> front: BatchStrOut;
+scheduler -> DP controller: LoadReport."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ class AbortReq:
 @dataclass
 class FlushCacheReq:
     pass
+
+
+@dataclass
+class GrammarsReady:
+    """The input rank found these waiting requests' grammars compiled: every rank admits them at
+    this point of this step (lockstep.managers.grammar_queue)."""
+
+    rids: list[str]
 
 
 @dataclass

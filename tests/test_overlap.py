@@ -80,10 +80,10 @@ def test_eos_and_min_new_tokens(model_dir):
             greedy_req("min", prompt, 16, ignore_eos=False, min_new_tokens=10),
             greedy_req("ignored", prompt, 16)]
     sched = _sched(model_dir, True)
-    sched.eos_ids = frozenset([eos])
+    sched.outputs.eos_ids = frozenset([eos])
     overlap = run_to_completion(sched, reqs)
     plain_sched = _sched(model_dir, False)
-    plain_sched.eos_ids = frozenset([eos])
+    plain_sched.outputs.eos_ids = frozenset([eos])
     plain = run_to_completion(plain_sched, reqs)
     assert _summary(overlap) == _summary(plain)
     assert overlap["eos"].finish_reason.type == "stop"
@@ -136,7 +136,7 @@ def test_abort_while_its_batch_is_in_flight_frees_kv_once(model_dir):
     step(reqs)
     for _ in range(5):
         step()
-    assert sched.inflight is not None and any(r.rid == "a1" for r in sched.inflight.batch.reqs)
+    assert sched.loop.inflight is not None and any(r.rid == "a1" for r in sched.loop.inflight.batch.reqs)
     # a1 is in the batch in flight; a2 is aborted twice (the second one finds nothing).
     step([AbortReq("a1"), AbortReq("a2"), AbortReq("a2")])
     assert reasons["a1"].type == reasons["a2"].type == "abort"
@@ -180,7 +180,7 @@ def test_integrity_check_runs_only_with_nothing_in_flight(model_dir, monkeypatch
     real = sched.check_integrity
 
     def check():
-        seen.append(sched.inflight)
+        seen.append(sched.loop.inflight)
         real()
 
     monkeypatch.setattr(sched, "check_integrity", check)

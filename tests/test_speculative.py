@@ -105,29 +105,30 @@ def test_with_company_only_drafts_taken_whole_draft_again(pairs) -> None:
     reqs = [Req(f"g{i}", list(text), greedy_req("x", [1], 64).sampling_params) for i in range(3)]
     alloc = lambda n: torch.arange(n)  # noqa: E731  (slots are not the point here)
     assert spec.draft(reqs, 4096, alloc) is not None
-    assert [len(r.draft) for r in reqs] == [FIRST_DRAFT_IN_COMPANY] * 3  # a short one, to find out
-    spec.drafter.observe(reqs[0].spec, len(reqs[0].draft), len(reqs[0].draft))  # taken whole
-    spec.drafter.observe(reqs[1].spec, len(reqs[1].draft), 1)  # partly
-    spec.drafter.observe(reqs[2].spec, len(reqs[2].draft), 0)  # not at all
+    assert [len(r.spec.draft) for r in reqs] == [FIRST_DRAFT_IN_COMPANY] * 3  # a short one, to find out
+    spec.drafter.observe(reqs[0].spec.drafter, len(reqs[0].spec.draft), len(reqs[0].spec.draft))  # taken whole
+    spec.drafter.observe(reqs[1].spec.drafter, len(reqs[1].spec.draft), 1)  # partly
+    spec.drafter.observe(reqs[2].spec.drafter, len(reqs[2].spec.draft), 0)  # not at all
     spec.draft(reqs, 4096, alloc)
-    assert [len(r.draft) for r in reqs] == [2 * FIRST_DRAFT_IN_COMPANY, 0, 0]
+    assert [len(r.spec.draft) for r in reqs] == [2 * FIRST_DRAFT_IN_COMPANY, 0, 0]
     spec.draft(reqs[1:2], 4096, alloc)  # alone again: it drafts
-    assert reqs[1].draft
+    assert reqs[1].spec.draft
 
 
 def test_a_draft_ends_before_the_first_token_the_grammar_forbids(pairs) -> None:
     from lockstep.constrained.constraint import constraint_from_fields
-    from lockstep.managers.schedule_batch import Req
+    from lockstep.managers.schedule_batch import Req, SamplingState
 
     sched = pairs("llama")[1]
     tok = sched.grammar.hf_tokenizer
     a, b, x = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "x"))
     matcher = sched.grammar.matcher(constraint_from_fields(r"(ab){1,3}x?", None, None))
     # the text so far repeats "a b x": the drafter proposes b x a b ..., the grammar allows b x
-    req = Req("g", [a, b, x, a, b, x, a], greedy_req("x", [1], 64).sampling_params, grammar=matcher)
+    req = Req("g", [a, b, x, a, b, x, a], greedy_req("x", [1], 64).sampling_params,
+              sampling=SamplingState(grammar=matcher))
     assert matcher.accept(a)
     sched.speculator.draft([req], 4096, lambda n: torch.arange(n))
-    assert req.draft == [b, x]
+    assert req.spec.draft == [b, x]
     assert matcher.valid_prefix([b, a, b, a, b, a]) == 5  # (ab){1,3}: three "a b" in all, no fourth "a"
 
 

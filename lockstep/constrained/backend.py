@@ -5,8 +5,10 @@ ids past the tokenizer (a padded LM head) are never allowed."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -20,6 +22,8 @@ from lockstep.constrained.constraint import (
     clean_grammar_error,
 )
 
+# Why a constrained request is a 400 on a model whose tokenizer llguidance cannot read.
+NO_GRAMMAR_BACKEND = "this model has no tokenizer.json: regex, json_schema and ebnf are not available"
 # Compiled grammars kept per rank, by constraint text; the oldest unused one goes first.
 GRAMMAR_CACHE_SIZE = 256
 
@@ -59,9 +63,10 @@ def grammar_vocabulary(hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterab
 
 class GrammarBackend:
     """Compiles constraints against the rank's fast HF tokenizer (the stop strings' one), caches
-    them, hands out matchers. `vocabulary` builds the llguidance vocabulary (grammar_vocabulary of
-    the same tokenizer by default; a process with many schedulers of one model passes one it built
-    once)."""
+    them, hands out matchers. The llguidance vocabulary is built here, at start-up (seconds on a
+    262k vocabulary, holding the GIL): `vocabulary` builds it (grammar_vocabulary of the same
+    tokenizer by default; a process with many schedulers of one model passes one it built once).
+    `compile` runs on a thread of its own, so the scheduler's loop never waits for a grammar."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  num_threads: int = 1,
@@ -70,32 +75,34 @@ class GrammarBackend:
         self.model_vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.num_threads = max(1, num_threads)
-        self._vocabulary = vocabulary or (lambda: grammar_vocabulary(hf_tokenizer, vocab_size, self.eos_token_ids))
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        build = vocabulary or (lambda: grammar_vocabulary(hf_tokenizer, vocab_size, self.eos_token_ids))
+        self.tokenizer: llguidance.LLTokenizer = build()
         self._executor: llguidance.LLExecutor | None = None
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._cache_lock = threading.Lock()  # the compile thread and direct callers share it
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
 
-    @property
-    def tokenizer(self) -> llguidance.LLTokenizer:
-        # Built on the first constrained request: a server that never sees a constraint should not
-        # pay for it at start.
-        if self._tokenizer is None:
-            self._tokenizer = self._vocabulary()
-        return self._tokenizer
+    def compile(self, constraint: Constraint) -> Future[GrammarMatcher]:
+        """`matcher(constraint)` on the compile thread, in submission order: the future's result
+        is the matcher, or ConstraintError when the constraint does not compile."""
+        return self._compiler.submit(self.matcher, constraint)
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher for `constraint`; ConstraintError when it does not compile."""
-        if (proto := self._cache.get(constraint)) is None:
+        with self._cache_lock:
+            proto = self._cache.get(constraint)
+            if proto is not None:
+                self._cache.move_to_end(constraint)
+        if proto is None:
             proto = llguidance.LLMatcher(self.tokenizer, constraint.grammar(), log_level=0,
                                          limits=GRAMMAR_LIMITS)
             if proto.is_error():
                 raise ConstraintError(f"invalid {constraint.kind}: "
                                       f"{clean_grammar_error(proto.get_error())}")
-            self._cache[constraint] = proto
-            while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(constraint)
+            with self._cache_lock:
+                self._cache[constraint] = proto
+                while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                    self._cache.popitem(last=False)
         return GrammarMatcher(proto.deep_copy())
 
     def fill_masks(self, matchers: Sequence[GrammarMatcher],
@@ -131,21 +138,10 @@ class GrammarBackend:
 
 def grammar_backend_for(hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                         vocabulary: Callable[[], llguidance.LLTokenizer] | None = None) -> GrammarBackend | None:
-    """The backend of a scheduler rank; None when the tokenizer is not a fast (tokenizer.json)
-    one: llguidance reads the Rust tokenizer."""
+    """The backend of a scheduler rank, its vocabulary built; None when the tokenizer is not a
+    fast (tokenizer.json) one: llguidance reads the Rust tokenizer."""
     if not getattr(hf_tokenizer, "is_fast", False):
         return None
     return GrammarBackend(hf_tokenizer, vocab_size, eos_token_ids,
                           num_threads=torch.get_num_threads(), vocabulary=vocabulary)
 
-
-def request_matcher(backend: GrammarBackend | None,
-                    constraint: Constraint) -> tuple[GrammarMatcher | None, str | None]:
-    """(matcher, None), or (None, why not). The front process checks constraints before
-    dispatch; requests from elsewhere (the Engine API, another front) may not have been."""
-    if backend is None:
-        return None, "this model has no tokenizer.json: regex, json_schema and ebnf are not available"
-    try:
-        return backend.matcher(constraint), None
-    except ConstraintError as e:
-        return None, str(e)

@@ -1,8 +1,13 @@
-"""A request's scheduling state, and a batch of them ready for the model worker. Of a request's
-`fill_ids` (prompt + generated), `cached_len` have KV in its req->token row; a step extends that
-to `device_len`: prefill, chunks, extend-from-prefix, decode and resume-after-retract alike. With
+"""A request's scheduling state, and a batch of them ready for the model worker.
+
+A request (`Req`) is its identity and progress (prompt, outputs, phase, finish) plus four records,
+each changed only by the code named on it: where its tokens are in KV (`KVState`), what
+constrains its next token (`SamplingState`), its speculative draft (`SpecState`) and the
+logprobs gathered since its last report (`LogprobState`). Of a request's `fill_ids` (prompt +
+generated), `kv.cached_len` have KV in its req->token row; a step extends that to
+`kv.device_len`: prefill, chunks, extend-from-prefix, decode and resume-after-retract alike. With
 overlap scheduling `cached_len` moves to `device_len` at launch (batches run in order), and a
-token still being sampled is `future_token`, a placeholder the next decode step reads;
+token still being sampled is `kv.future_token`, a placeholder the next decode step reads;
 `output_ids` only ever holds real tokens."""
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -32,39 +38,83 @@ class ReqPhase(Enum):  # where a request is in the scheduler (ReqState is the fr
 
 
 @dataclass
-class Req:
-    rid: str
-    origin_input_ids: list[int]
-    sampling_params: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    arrival: int = 0  # scheduler step at arrival: a logical clock, never wall time
-    output_ids: list[int] = field(default_factory=list)
-    phase: ReqPhase = ReqPhase.WAITING
+class KVState:
+    """Where the request's tokens are in KV. The scheduler changes it (admission, chunks, the
+    prefix tree, release) and its output processor (which computed tokens are kept); the
+    overlap loop moves `cached_len` at launch and sets `future_token`."""
+
     req_pool_idx: int | None = None
     cached_len: int = 0
     device_len: int = 0
     prefix_len: int = 0  # of cached_len, tokens owned by the prefix tree (locked via last_node)
     last_node: Any = None
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to clients)
+    # Overlap scheduling: placeholder (< 0) of the token a launched, unprocessed batch samples.
+    future_token: int | None = None
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+
+@dataclass
+class SamplingState:
+    """What constrains the request's next tokens beyond its sampling parameters. The scheduler
+    sets it at arrival (stop checker, the grammar's compile) and when the grammar is ready; the
+    output processor advances both by each sampled token."""
+
+    # Constrained decoding: the grammar's state after `output_ids` (retraction keeps both).
+    grammar: GrammarMatcher | None = None
+    compiling: Future[GrammarMatcher] | None = None  # the grammar, while the request waits for it
+    stops: StopChecker | None = None  # stop strings / stop_regex: the output's text, checked
+
+
+@dataclass
+class SpecState:
+    """Speculative decoding, changed only by the Speculator: this step's draft (tokens after the
+    last one, verified in one pass) and the drafter's state of this request (an
+    ngram_drafter.DraftState, made on its first draft)."""
+
+    draft: list[int] = field(default_factory=list)
+    drafter: Any = None
+
+
+@dataclass
+class LogprobState:
+    """What the client asked for, and the logprobs gathered since the last report: the output
+    processor appends and `take`s them."""
+
+    return_logprob: bool = False
+    start_len: int = -1  # logprob_start_len: the first prompt position asked for, -1 none
+    top_n: int = 0  # top_logprobs_num
+    out: list[TokenLogprob] = field(default_factory=list)
+    out_top: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt: list[TokenLogprob] = field(default_factory=list)
+    prompt_top: list[list[TokenLogprob]] = field(default_factory=list)
+
+    def take(self) -> tuple[list[TokenLogprob], list[list[TokenLogprob]], list[TokenLogprob],
+                            list[list[TokenLogprob]]]:
+        """(out, out_top, prompt, prompt_top) gathered so far; the record starts over."""
+        taken = self.out, self.out_top, self.prompt, self.prompt_top
+        self.out, self.out_top, self.prompt, self.prompt_top = [], [], [], []
+        return taken
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    arrival: int = 0  # scheduler step at arrival: a logical clock, never wall time
+    output_ids: list[int] = field(default_factory=list)
+    phase: ReqPhase = ReqPhase.WAITING
     finish_reason: BaseFinishReason | None = None
     retractions: int = 0
     sent_len: int = 0  # output tokens already reported
-    # Overlap scheduling: placeholder (< 0) of the token a launched, unprocessed batch samples.
-    future_token: int | None = None
-    # logprobs accumulated since the last report
-    out_logprobs: list[TokenLogprob] = field(default_factory=list)
-    out_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    # Constrained decoding: the grammar's state after `output_ids` (retraction keeps both).
-    grammar: GrammarMatcher | None = None
-    in_logprobs: list[TokenLogprob] = field(default_factory=list)
-    in_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    stops: StopChecker | None = None  # stop strings / stop_regex: the output's text, checked
-    # Speculative decoding: this step's draft (tokens after the last one, verified in one pass) and
-    # the drafter's state of this request (an ngram_drafter.DraftState).
-    draft: list[int] = field(default_factory=list)
-    spec: Any = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to clients)
+    kv: KVState = field(default_factory=KVState)
+    sampling: SamplingState = field(default_factory=SamplingState)
+    spec: SpecState = field(default_factory=SpecState)
+    logprobs: LogprobState = field(default_factory=LogprobState)
 
     def limits_error(self, context_len: int, max_req_len: int, vocab_size: int) -> str | None:
         """Why the request can never run here (a 400), or None. `max_req_len` is the smaller of
@@ -96,18 +146,15 @@ class Req:
     @property
     def sampled_len(self) -> int:
         """Tokens sampled so far, counting one still in flight: the sampler's step number."""
-        return len(self.output_ids) + (self.future_token is not None)
-
-    @property
-    def extend_len(self) -> int:
-        return self.device_len - self.cached_len
+        return len(self.output_ids) + (self.kv.future_token is not None)
 
     @property
     def prompt_logprob_start(self) -> int | None:
         """First prompt position whose next-token logprob the client asked for, if any."""
-        if not self.return_logprob or self.logprob_start_len < 0 or self.output_ids:
+        lp = self.logprobs
+        if not lp.return_logprob or lp.start_len < 0 or self.output_ids:
             return None
-        return min(self.logprob_start_len, len(self.origin_input_ids) - 1)
+        return min(lp.start_len, len(self.origin_input_ids) - 1)
 
     @property
     def finished(self) -> bool:
@@ -119,7 +166,7 @@ class Req:
         the token in flight: with overlap, this request's step waits for the previous one."""
         p = self.sampling_params
         return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
-                    or self.grammar is not None)
+                    or self.sampling.grammar is not None)
 
 
 @dataclass
@@ -149,7 +196,8 @@ class ScheduleBatch:
     extend_lens: list[int] = field(default_factory=list)
 
     def fingerprint(self) -> str:
-        desc = repr((self.mode.value, [(r.rid, r.cached_len, r.device_len, r.draft) for r in self.reqs]))
+        desc = repr((self.mode.value, [(r.rid, r.kv.cached_len, r.kv.device_len, r.spec.draft)
+                                       for r in self.reqs]))
         return hashlib.sha1(desc.encode()).hexdigest()[:16]
 
     def to_worker_batch(self, vocab_size: int, base_seed: int, device: str,
@@ -162,19 +210,19 @@ class ScheduleBatch:
         prompt_targets: list[int] = []
         for req, samples in zip(self.reqs, self.samples):
             fill = req.fill_ids
-            if req.future_token is not None:  # sampled by the batch in flight: resolved on the thread
-                fill = fill + [req.future_token]
-            fill = fill + req.draft
-            start = len(ids)
-            ids.extend(fill[req.cached_len:req.device_len])
-            positions.extend(range(req.cached_len, req.device_len))
+            if req.kv.future_token is not None:  # sampled by the batch in flight: resolved on the thread
+                fill = fill + [req.kv.future_token]
+            fill = fill + req.spec.draft
+            kv, start = req.kv, len(ids)
+            ids.extend(fill[kv.cached_len:kv.device_len])
+            positions.extend(range(kv.cached_len, kv.device_len))
             # The prompt rows [lo, hi) this step computes, of those whose logprob was asked for.
             pstart = req.prompt_logprob_start
-            lo = max(pstart or 0, req.cached_len)
-            hi = min(req.device_len, len(req.origin_input_ids) - 1)
+            lo = max(pstart or 0, kv.cached_len)
+            hi = min(kv.device_len, len(req.origin_input_ids) - 1)
             if pstart is not None and hi > lo:
                 prompt_rows.append((len(logits_idx), hi - lo))
-                logits_idx.extend(start + p - req.cached_len for p in range(lo, hi))
+                logits_idx.extend(start + p - kv.cached_len for p in range(lo, hi))
                 prompt_targets.extend(fill[lo + 1:hi + 1])
             else:
                 prompt_rows.append(None)
@@ -184,16 +232,16 @@ class ScheduleBatch:
         fb = ForwardBatch(
             mode=self.mode, input_ids=t(ids), positions=t(positions),
             out_cache_loc=self.out_cache_loc,
-            req_pool_indices=t([r.req_pool_idx for r in self.reqs]),
-            prefix_lens=t([r.cached_len for r in self.reqs]),
-            extend_lens=t([r.extend_len for r in self.reqs]), logits_indices=t(logits_idx))
+            req_pool_indices=t([r.kv.req_pool_idx for r in self.reqs]),
+            prefix_lens=t([r.kv.cached_len for r in self.reqs]),
+            extend_lens=t([r.kv.extend_len for r in self.reqs]), logits_indices=t(logits_idx))
         rows = [(r, i) for r, s in zip(self.reqs, self.samples) for i in range(s)]
         sampling = build_sampling_info([r for r, _ in rows], vocab_size, base_seed, device,
                                        fill_masks, [i for _, i in rows])
         return ModelWorkerBatch(
             fb, sampling, t(sample_rows), prompt_rows, t(prompt_targets),
-            max((r.top_logprobs_num for r in self.reqs if r.return_logprob), default=0),
-            any(r.return_logprob for r in self.reqs))
+            max((r.logprobs.top_n for r in self.reqs if r.logprobs.return_logprob), default=0),
+            any(r.logprobs.return_logprob for r in self.reqs))
 
 
 def request_seed(req: Req, base_seed: int) -> int:
@@ -221,7 +269,7 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
     ps = [r.sampling_params for r in reqs]
     offsets = offsets or [0] * len(reqs)
     # the tokens generated before each row's position (draft tokens included)
-    outputs = lambda: [r.output_ids + r.draft[:o] for r, o in zip(reqs, offsets)]  # noqa: E731
+    outputs = lambda: [r.output_ids + r.spec.draft[:o] for r, o in zip(reqs, offsets)]  # noqa: E731
     f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
     i = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     # top_k past the vocabulary is the same as off (and past int64 it would not fit the tensor).
@@ -245,13 +293,13 @@ def build_sampling_info(reqs: list[Req], vocab: int, base_seed: int, device: str
               if p.logit_bias]
     if biased:
         info.logit_bias = [(row, i(list(bias)), f(list(bias.values()))) for row, bias in biased]
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    rows = [i for i, r in enumerate(reqs) if r.sampling.grammar is not None]
     if rows and fill_masks is not None:
         # A request's rows are consecutive (offsets 0..k): its matcher fills them all, stepping
         # through the draft tokens that precede each.
         firsts = [i for i in rows if offsets[i] == 0]
         n_rows = Counter(id(reqs[i]) for i in rows)
-        drafts = [reqs[i].draft[:n_rows[id(reqs[i])] - 1] for i in firsts]
-        info.vocab_mask = fill_masks([reqs[i].grammar for i in firsts], drafts).to(device)
+        drafts = [reqs[i].spec.draft[:n_rows[id(reqs[i])] - 1] for i in firsts]
+        info.vocab_mask = fill_masks([reqs[i].sampling.grammar for i in firsts], drafts).to(device)
         info.vocab_mask_rows = rows
     return info

@@ -1,10 +1,19 @@
 """The scheduler: one per rank, all deciding identically from the same inputs.
 
-Each step: process inputs -> get_next_batch_to_run -> run on the worker -> process results.
-With overlap scheduling the worker runs on a forward thread: the step launches its batch, then
-processes the previous step's result while that batch computes (see `_step_overlap`).
-Nothing here reads wall-clock time, iterates a set, or draws unseeded randomness: two
-schedulers fed the same inputs make the same batches (see `fingerprints`)."""
+Each step: process inputs -> get_next_batch_to_run -> run on the worker -> process results
+(`OutputProcessor`). The plain loop runs those in order; with overlap scheduling the worker runs
+on a forward thread: the step launches its batch, then processes the previous step's result
+while that batch computes (lockstep.managers.step_loops).
+
+Determinism: nothing here reads wall-clock time, iterates a set, or draws unseeded randomness:
+two schedulers fed the same inputs make the same batches (see `fingerprints`). The one fact that
+depends on time, whether a grammar has compiled (its compile runs on the grammar backend's
+thread, off this loop), is turned into an input: a constrained request waits in the grammar
+queue, not admitted, until the *input rank* (the one that reads the sockets: global rank 0, or
+a lone scheduler) finds its grammar compiled in `collect_inputs` and adds `GrammarsReady(rids)`
+to the inputs it broadcasts; every rank admits exactly those requests where that message falls
+among the step's inputs, a rank whose own compile is behind blocking there for it. So a compile
+never stalls the running batch, and the ranks stay in lockstep (lockstep.managers.grammar_queue)."""
 
 from __future__ import annotations
 
@@ -17,24 +26,23 @@ from typing import Any
 
 import torch
 
-from lockstep.constrained.backend import GrammarBackend, grammar_backend_for, request_matcher
-from lockstep.core import FINISH_ABORT
+from lockstep.constrained.backend import NO_GRAMMAR_BACKEND, GrammarBackend, grammar_backend_for
+from lockstep.core import FINISH_ABORT, BaseFinishReason
 from lockstep.forward_batch import ForwardMode
-from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
+from lockstep.managers.grammar_queue import GrammarQueue
+from lockstep.managers.schedule_batch import KVState, LogprobState, Req, ReqPhase, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
-from lockstep.managers.scheduler_output_processor import (
-    SchedulerOutputProcessorMixin,
-    SchedulerStats,
-)
+from lockstep.managers.scheduler_output_processor import OutputProcessor, SchedulerStats
 from lockstep.managers.speculative import Speculator
+from lockstep.managers.step_loops import OverlapLoop, PlainLoop
 from lockstep.managers.stop_checker import stop_checker
 from lockstep.managers.tp_worker import TpModelWorker
-from lockstep.managers.tp_worker_overlap_thread import TpModelWorkerClient
 from lockstep.mem_cache.radix_cache import ChunkCache, RadixCache
 from lockstep.messages import (
     AbortReq,
     FlushCacheOut,
     FlushCacheReq,
+    GrammarsReady,
     ReqOutput,
     TokenizedGenerateReq,
 )
@@ -53,19 +61,10 @@ class KVLeakError(RuntimeError):
     pass
 
 
-@dataclass
-class InFlight:
-    """A batch launched on the forward thread whose result is not processed yet."""
-
-    batch: ScheduleBatch
-    seq: int  # launch number
-    futures: list[int]  # placeholder of each token it samples, in sampling-row order
-
-
-class Scheduler(SchedulerOutputProcessorMixin):
+class Scheduler:
     def __init__(self, args: ServerArgs, worker: TpModelWorker, eos_token_ids: Iterable[int] = (),
                  strict_integrity: bool = False, grammar: GrammarBackend | None = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, dp_rank: int = 0) -> None:
         self.args = args
         self.worker = worker
         runner = worker.runner
@@ -77,7 +76,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.context_len = runner.context_len
         self.max_req_len = min(self.context_len, self.req_to_token_pool.max_context_len - 1)
         self.tree = ChunkCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator)
-        self.eos_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer  # decodes the output of requests with stop strings
         # Only ranks that sample compute grammar masks; every rank advances the matchers alike.
         self.grammar = grammar  # None: the tokenizer is not a fast one to compile against
@@ -86,31 +84,29 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        self.grammar_queue = GrammarQueue()  # constrained requests whose grammar is compiling
         self.step_count = 0
         self.init_ratio = self.new_token_ratio = args.new_token_ratio
         self.rng = random.Random(args.random_seed)
         self.fingerprints: list[str] = []
         self.stats = SchedulerStats()
-        self._pending: list[ReqOutput] = []
         self.control_replies: list[Any] = []
         # Called with (step, fingerprint) before each step's batch runs; the lockstep check.
         self.before_run: Callable[[int, str], None] | None = None
-        self.dp_rank = 0  # which data-parallel replica this scheduler serves
-        # Overlap scheduling (args.overlap_schedule): at most one batch in flight at a step's
-        # start. Request rows freed while a launched batch may still read them are parked
-        # (with the launch number they wait for) so no new request reuses them too early.
-        self.overlap = args.overlap_schedule
+        self.dp_rank = dp_rank  # which data-parallel replica this scheduler serves
         self.speculator = Speculator(args) if args.speculation else None
-        self.worker_client = (TpModelWorkerClient(worker, args.max_running_requests + 1)
-                              if self.overlap else None)
-        self.inflight: InFlight | None = None
-        self._launched = self._completed = 0
-        self._parked_rows: list[tuple[int, int]] = []
+        self.outputs = OutputProcessor(self, self.stats, frozenset(eos_token_ids), self.max_req_len,
+                                       self.speculator, dp_rank)
+        self.overlap = args.overlap_schedule
+        self.loop = (OverlapLoop(self, args.max_running_requests + 1) if self.overlap
+                     else PlainLoop(self))
 
     def process_inputs(self, msgs: Iterable[Any]) -> None:
         for msg in msgs:
             if isinstance(msg, TokenizedGenerateReq):
                 self._add_request(msg)
+            elif isinstance(msg, GrammarsReady):
+                self._grammars_ready(msg.rids)
             elif isinstance(msg, AbortReq):
                 self.abort(msg.rid, msg.reason)
             elif isinstance(msg, FlushCacheReq):
@@ -120,113 +116,88 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         """Every check of a request, once: a 400 is its first output, which the front awaits."""
-        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, msg.return_logprob,
-                  msg.logprob_start_len, msg.top_logprobs_num, self.step_count)
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, arrival=self.step_count,
+                  logprobs=LogprobState(msg.return_logprob, msg.logprob_start_len,
+                                        msg.top_logprobs_num))
         p = req.sampling_params
         error = req.limits_error(self.context_len, self.max_req_len, self.vocab_size)
-        if error is None and p.constraint is not None:
-            req.grammar, error = request_matcher(self.grammar, p.constraint)
         if error is None:
-            req.stops, error = stop_checker(self.tokenizer, p)
+            req.sampling.stops, error = stop_checker(self.tokenizer, p)
+        if error is None and p.constraint is not None and self.grammar is None:
+            error = NO_GRAMMAR_BACKEND
         self.stats.prompt_tokens += len(req.origin_input_ids)
         if error:
             self.finish(req, FINISH_ABORT(error, status_code=400))
-            return
-        self.waiting.append(req)
+        elif p.constraint is not None:  # admitted once its grammar compiled (a 400 if it fails)
+            self.grammar_queue.add(req, self.grammar.compile(p.constraint))
+        else:
+            self.waiting.append(req)
+
+    def collect_inputs(self, received: list[Any]) -> list[Any]:
+        """The input rank's inputs for this step: what it read off its socket, then which
+        grammars have compiled (GrammarsReady). The caller broadcasts the result to every rank."""
+        ready = self.grammar_queue.ready(wait=not received and self._only_grammars_wait())
+        return [*received, GrammarsReady(ready)] if ready else received
+
+    def _only_grammars_wait(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req or self.loop.in_flight)
+
+    def _grammars_ready(self, rids: list[str]) -> None:
+        for req, error in self.grammar_queue.take(rids):
+            if error is None:
+                self.waiting.append(req)
+            else:
+                self.finish(req, FINISH_ABORT(error, status_code=400))
 
     def abort(self, rid: str, reason: FINISH_ABORT = FINISH_ABORT()) -> None:
         chunked = [self.chunked_req] if self.chunked_req is not None else []
-        for req in [*self.waiting, *chunked, *self.running]:
+        for req in [*self.grammar_queue, *self.waiting, *chunked, *self.running]:
             if req.rid == rid:
                 self.finish(req, reason)
 
     def flush_cache(self) -> FlushCacheOut:
-        self._sync()  # the tree may not change under a batch in flight
-        if self.waiting or self.running or self.chunked_req:
+        self.loop.resolve()  # the tree may not change under a batch in flight
+        if self.grammar_queue or self.waiting or self.running or self.chunked_req:
             return FlushCacheOut(False, "cannot flush the cache while requests are running")
         self.tree.reset()
         self.check_integrity()
         return FlushCacheOut(True)
 
-    def step(self, msgs: Iterable[Any] = ()) -> list[ReqOutput]:
+    def step(self, received: Iterable[Any] = ()) -> list[ReqOutput]:
+        """One step of a scheduler that is its own input rank (one rank; in-process runs)."""
+        return self.run_step(self.collect_inputs(list(received)))
+
+    def run_step(self, msgs: Iterable[Any]) -> list[ReqOutput]:
+        """One step on this step's inputs (the same on every rank): the step's outputs."""
         self.process_inputs(msgs)
-        if self.overlap:
-            self._step_overlap()
-        else:
-            self._step_plain()
+        self.loop.step()
         self.step_count += 1
-        out, self._pending = self._pending, []
-        return out
+        return self.outputs.take_outputs()
 
-    def _step_plain(self) -> None:
-        batch = self.get_next_batch_to_run()
-        if batch is not None:
-            res = self.worker.forward_batch_generation(batch.worker_batch)
-            self.process_batch_result(batch, res)
-        elif self.is_idle():
-            self.check_integrity()
+    # ---- what the output processor asks of the scheduler (SchedulerQueues)
 
-    def _step_overlap(self) -> None:
-        """Launch this step's batch, then process the previous one's result while it computes.
+    def start_decoding(self, req: Req) -> None:
+        self.running.append(req)
 
-        The previous result is always awaited at this same point of the step, whatever the
-        thread's timing, so every rank makes the same decisions. Some steps need that result
-        before they can schedule, and resolve it first (`_sync`), which is the plain loop's
-        order: after a prefill or mixed batch (its result adds requests to `running` and
-        rewrites their rows when their prompt goes to the prefix tree, and a chunked prefill's
-        end samples the first token), and in `_decode_batch` when the KV pool is short (a
-        retraction must see real outputs) or a request uses penalties (they count its outputs).
-        """
-        if self.inflight is not None and self.inflight.batch.mode != ForwardMode.DECODE:
-            self._sync()
-        batch = self.get_next_batch_to_run()
-        prev, self.inflight = self.inflight, None
-        if batch is not None:
-            self.inflight = self._launch(batch)
-        if prev is not None:
-            self.stats.overlapped_steps += batch is not None
-            self._complete(prev)
-        if batch is None and self.is_idle():
-            self.check_integrity()
-
-    def _launch(self, batch: ScheduleBatch) -> InFlight:
-        assert self.worker_client is not None
-        futures = self.worker_client.submit(batch.worker_batch)
-        sampled = iter(futures)
-        for req, samples in zip(batch.reqs, batch.samples):
-            # The forward thread writes this KV before any later batch runs: later steps may
-            # build on it now. The sampled token is known only by its placeholder until then.
-            req.cached_len = req.device_len
-            if samples:
-                req.future_token = next(sampled)
-        self._launched += 1
-        return InFlight(batch, self._launched, futures)
-
-    def _complete(self, done: InFlight) -> None:
-        """Wait for a launched batch (the oldest in flight) and process its result."""
-        assert self.worker_client is not None
-        res = self.worker_client.result()
-        self._completed = done.seq
-        for seq, row in self._parked_rows:
-            if seq <= done.seq:
-                self.req_to_token_pool.free(row)
-        self._parked_rows = [(seq, row) for seq, row in self._parked_rows if seq > done.seq]
-        self.process_batch_result(done.batch, res, done.futures)
-
-    def _sync(self) -> None:
-        """Resolve the batch in flight, if any: the plain loop's state from here on."""
-        if self.inflight is not None:
-            done, self.inflight = self.inflight, None
-            self._complete(done)
+    def finish(self, req: Req, reason: BaseFinishReason) -> None:
+        """End a request, whatever ended it: out of every queue, its KV released, its last
+        output queued. The one place a request ends."""
+        self.grammar_queue.remove(req)
+        self.waiting = [r for r in self.waiting if r is not req]
+        self.running = [r for r in self.running if r is not req]
+        if self.chunked_req is req:
+            self.chunked_req = None
+        self._release(req)
+        self.outputs.finished(req, reason)
 
     def load(self) -> tuple[int, int, int]:
         """(running, queued, KV tokens in use) for the DP controller's dispatch."""
         used = self.max_total_tokens - self.allocator.available_size() - self.tree.evictable_size()
         running = len(self.running) + (1 if self.chunked_req else 0)
-        return running, len(self.waiting), used
+        return running, len(self.waiting) + len(self.grammar_queue), used
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req or self.inflight)
+        return not self.grammar_queue and self._only_grammars_wait()
 
     def form_batch(self) -> ScheduleBatch | None:
         """This step's requests: a prefill (mixed with decodes when enabled), else a decode."""
@@ -244,7 +215,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         """This step's batch, ready for the worker; `before_run` hears of it (or of none)."""
         batch = self.form_batch()
         if batch is not None:
-            batch.extend_lens = [r.extend_len for r in batch.reqs]
+            batch.extend_lens = [r.kv.extend_len for r in batch.reqs]
             batch.worker_batch = batch.to_worker_batch(self.vocab_size, self.args.random_seed,
                                                        self.device, self._fill_masks)
             if self.args.debug_fingerprints or self.args.enable_lockstep_check:
@@ -270,28 +241,28 @@ class Scheduler(SchedulerOutputProcessorMixin):
         locs: list[torch.Tensor] = []
         if self.chunked_req is not None:
             req = self.chunked_req
-            take = min(req.seq_len - req.cached_len, budget)
+            take = min(req.seq_len - req.kv.cached_len, budget)
             loc = self._alloc_retracting(lambda: take)
             if loc is None:  # admission reserved the prompt; only decodes compete for it
                 raise RuntimeError("KV for an admitted chunked prefill was not available")
-            req.device_len = req.cached_len + take
+            req.kv.device_len = req.kv.cached_len + take
             budget -= take
             admitted.append(req)
             locs.append(loc)
-            self.chunked_req = None if req.device_len == req.seq_len else req
+            self.chunked_req = None if req.kv.device_len == req.seq_len else req
         if self.chunked_req is None and budget > 0 and self.waiting:
             self._admit_waiting(admitted, locs, budget)
         if not admitted:
             return None
         for req, loc in zip(admitted, locs):
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, req.cached_len:req.device_len] = loc
+            self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, req.kv.cached_len:req.kv.device_len] = loc
         return ScheduleBatch(admitted, ForwardMode.EXTEND,
-                             [int(r.device_len == r.seq_len) for r in admitted], torch.cat(locs))
+                             [int(r.kv.device_len == r.seq_len) for r in admitted], torch.cat(locs))
 
     def _admit_waiting(self, admitted: list[Req], locs: list[torch.Tensor], budget: int) -> None:
         available = self.allocator.available_size() + self.tree.evictable_size()
         reserved = sum(map(self._future_tokens, self.running))
-        reserved += sum(r.seq_len - r.cached_len for r in admitted)
+        reserved += sum(r.seq_len - r.kv.cached_len for r in admitted)
         for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.rng):
             if (budget <= 0 or len(self.running) + len(admitted) >= self.args.max_running_requests
                     or self.req_to_token_pool.available_size() == 0):
@@ -314,10 +285,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if loc is None:
                 self.tree.dec_lock_ref(node)
                 break
-            req.req_pool_idx = self.req_to_token_pool.alloc()
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, :prefix] = indices[:prefix]
-            req.last_node, req.prefix_len = node, prefix
-            req.cached_len, req.device_len = prefix, prefix + take
+            kv = req.kv
+            kv.req_pool_idx = self.req_to_token_pool.alloc()
+            self.req_to_token_pool.req_to_token[kv.req_pool_idx, :prefix] = indices[:prefix]
+            kv.last_node, kv.prefix_len = node, prefix
+            kv.cached_len, kv.device_len = prefix, prefix + take
             if not req.output_ids:
                 req.cached_tokens = prefix
                 self.stats.cached_tokens += prefix
@@ -339,8 +311,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
                    for other in admitted)
 
     def _decode_batch(self) -> ScheduleBatch | None:
-        if self.inflight is not None and any(r.needs_real_outputs for r in self.running):
-            self._sync()
+        if any(r.needs_real_outputs for r in self.running):
+            self.loop.resolve()
         if not self.running:
             return None
         loc = None
@@ -352,20 +324,19 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return None
         rows, at = self.req_to_token_pool.req_to_token, 0
         for req in self.running:
-            req.device_len = req.cached_len + 1 + len(req.draft)
-            rows[req.req_pool_idx, req.cached_len:req.device_len] = loc[at:at + 1 + len(req.draft)]
-            at += 1 + len(req.draft)
+            kv, n = req.kv, 1 + len(req.spec.draft)
+            kv.device_len = kv.cached_len + n
+            rows[kv.req_pool_idx, kv.cached_len:kv.device_len] = loc[at:at + n]
+            at += n
         return ScheduleBatch(list(self.running), ForwardMode.DECODE,
-                             [1 + len(r.draft) for r in self.running], loc)
+                             [1 + len(r.spec.draft) for r in self.running], loc)
 
     def _alloc_retracting(self, size: Callable[[], int]) -> torch.Tensor | None:
         """KV slots for `size()` (re-read as requests go), retracting running requests while the
         pool is short: decodes mixed between a chunked prefill's chunks can use up its share."""
         loc = self._alloc(size())
         while loc is None and self.running:
-            if self.inflight is not None:  # retraction picks by real outputs: resolve first
-                self._sync()
-            else:
+            if not self.loop.resolve():  # a retraction picks by real outputs: those first
                 self._retract_one()
             loc = self._alloc(size())
         return loc
@@ -390,47 +361,42 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def _to_tree(self, req: Req) -> list[int]:
         """Insert the request's computed tokens; the tree keeps those it did not hold, and the
         request's copies of the others are freed. Returns the tokens."""
-        tokens = req.fill_ids[: req.cached_len]
-        indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len].clone()
+        kv = req.kv
+        tokens = req.fill_ids[: kv.cached_len]
+        indices = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : kv.cached_len].clone()
         present = self.tree.insert(tokens, indices)
-        self.allocator.free(indices[req.prefix_len:present])
+        self.allocator.free(indices[kv.prefix_len:present])
         return tokens
 
-    def _cache_unfinished(self, req: Req) -> None:
+    def cache_unfinished(self, req: Req) -> None:
         """Hand the request's computed prefix to the tree now, so others can share it."""
-        if isinstance(self.tree, ChunkCache) or req.cached_len <= req.prefix_len:
+        kv = req.kv
+        if isinstance(self.tree, ChunkCache) or kv.cached_len <= kv.prefix_len:
             return
         tokens = self._to_tree(req)
         new_indices, node = self.tree.match_prefix(tokens)
-        self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.cached_len] = new_indices
+        self.req_to_token_pool.req_to_token[kv.req_pool_idx, : kv.cached_len] = new_indices
         self.tree.inc_lock_ref(node)
-        self.tree.dec_lock_ref(req.last_node)
-        req.last_node, req.prefix_len = node, req.cached_len
+        self.tree.dec_lock_ref(kv.last_node)
+        kv.last_node, kv.prefix_len = node, kv.cached_len
 
     def _release(self, req: Req) -> None:
         """Give up the request's KV: into the tree (radix) or back to the allocator."""
-        if req.req_pool_idx is None:
+        if req.kv.req_pool_idx is None:
             return
         self._to_tree(req)  # a ChunkCache keeps none: every slot is freed
-        self.tree.dec_lock_ref(req.last_node)
-        self._free_uncached(req)  # slots for a step that never ran (abort mid-batch)
-        self._free_row(req.req_pool_idx)
-        req.req_pool_idx, req.last_node, req.future_token = None, None, None
-        req.cached_len = req.device_len = req.prefix_len = 0
+        self.tree.dec_lock_ref(req.kv.last_node)
+        self.free_uncached(req)  # slots for a step that never ran (abort mid-batch)
+        self.loop.free_row(req.kv.req_pool_idx)  # parked while a launched batch may read it
+        req.kv = KVState()
 
-    def _free_uncached(self, req: Req) -> None:
+    def free_uncached(self, req: Req) -> None:
         """Free the request's KV slots past `cached_len`: allocated for tokens it did not keep."""
-        if req.device_len > req.cached_len:
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.allocator.free(row[req.cached_len:req.device_len].clone())
-            req.device_len = req.cached_len
-
-    def _free_row(self, row: int) -> None:
-        """A launched batch may still read this row: park it until that batch is done."""
-        if self._launched > self._completed:
-            self._parked_rows.append((self._launched, row))
-        else:
-            self.req_to_token_pool.free(row)
+        kv = req.kv
+        if kv.device_len > kv.cached_len:
+            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+            self.allocator.free(row[kv.cached_len:kv.device_len].clone())
+            kv.device_len = kv.cached_len
 
     def check_integrity(self) -> None:
         free, held, rows = self.allocator.available_size(), self.tree.total_size(), self.req_to_token_pool
@@ -453,13 +419,15 @@ class ModelFiles:
 
     tokenizer: Any  # the HF tokenizer (stop strings, grammars)
     stop_token_ids: list[int]
-    grammar_vocabulary: Callable[[], Any] | None = None  # builds the llguidance vocabulary (on first use)
+    grammar_vocabulary: Callable[[], Any] | None = None  # builds the llguidance vocabulary (at start)
 
 
 def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
-                     strict_integrity: bool = False, files: ModelFiles | None = None) -> Scheduler:
+                     strict_integrity: bool = False, files: ModelFiles | None = None,
+                     dp_rank: int = 0) -> Scheduler:
     """Load the model for this rank and build its scheduler; used by every scheduler process
-    and by in-process tests alike."""
+    and by in-process tests alike. The grammar vocabulary is built here, before the process
+    reports ready, so that no request waits for it."""
     from lockstep.configs.model_config import ModelConfig
     from lockstep.detokenizer.incremental_detokenizer import load_tokenizer
     from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE
@@ -468,8 +436,15 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     from lockstep.model_loader.stop_tokens import stop_token_ids
 
     source = resolve_model(args.model_path)
-    tokenizer = None if files else ThreadPoolExecutor(1).submit(load_tokenizer, args)  # stop strings, grammar
     model_cfg = ModelConfig.from_hf(source.hf_config)
+
+    def read_files() -> tuple[ModelFiles, GrammarBackend | None]:
+        """The tokenizer (stop strings, grammars), then the grammar vocabulary built from it."""
+        got = files or ModelFiles(load_tokenizer(args),
+                                  stop_token_ids(source.model_dir, model_cfg.eos_token_ids))
+        return got, grammar_backend_for(got.tokenizer, model_cfg.vocab_size, got.stop_token_ids,
+                                        got.grammar_vocabulary)
+
     runner_cfg = RunnerConfig(
         device=args.device, dtype=resolve_dtype(args.dtype, args.device),
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
@@ -479,11 +454,11 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype, args.device),
     )
     torch.manual_seed(args.random_seed)
-    runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
+    with ThreadPoolExecutor(1) as pool:  # the files on a thread, beside the weights' load
+        reading = pool.submit(read_files)
+        runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
+        read, grammar = reading.result()
     worker = TpModelWorker(runner, args.micro_batches)
-    if files is None:
-        files = ModelFiles(tokenizer.result(), stop_token_ids(source.model_dir, model_cfg.eos_token_ids))
-    eos = list(files.stop_token_ids)
-    grammar = grammar_backend_for(files.tokenizer, model_cfg.vocab_size, eos, files.grammar_vocabulary)
-    return Scheduler(args, worker, eos, strict_integrity, grammar, files.tokenizer)
+    return Scheduler(args, worker, read.stop_token_ids, strict_integrity, grammar, read.tokenizer,
+                     dp_rank)
 

@@ -50,8 +50,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
         tp = make_tp_group(args.tp_size, tp_rank, pp_rank, args.pp_size, args.device)
         pp = make_pipeline_group(args.tp_size, args.pp_size, tp_rank, pp_rank, world_group)
         local_ranks = max(1, world // args.nnodes)
-        sched = create_scheduler(args, tp, pp, local_ranks=local_ranks * args.dp_size)
-        sched.dp_rank = dp_rank
+        sched = create_scheduler(args, tp, pp, local_ranks=local_ranks * args.dp_size, dp_rank=dp_rank)
         ctx = zmq.Context()
         recv = send = load = None
         if global_rank == 0:  # the one rank that reads inputs and sends outputs
@@ -79,14 +78,16 @@ def event_loop(args: ServerArgs, sched: Scheduler, world: ParallelGroup, recv: z
     # A busy scheduler that finishes no step for --watchdog-timeout s takes the server down.
     watchdog = ForwardProgressWatchdog(args.watchdog_timeout, mp.current_process().name).start()
     last_load: tuple[int, int, int] | None = None
-    # sched.step runs the overlap loop (model on a forward thread, previous result processed
+    # sched.run_step runs the overlap loop (model on a forward thread, previous result processed
     # while it computes) or the plain one; either way one call is one deterministic step.
     logger.info("step loop: %s", "overlap" if sched.overlap else "plain")
     while True:
         msgs = recv_requests(recv, block=sched.is_idle())
+        if recv is not None:  # the input rank: what it read, then which grammars are ready
+            msgs = sched.collect_inputs(msgs)
         msgs = broadcast_pyobj(msgs, world)
         watchdog.step_begins(bool(msgs) or not sched.is_idle())
-        outputs = sched.step(msgs)
+        outputs = sched.run_step(msgs)
         watchdog.step_done(not sched.is_idle())
         if load is not None:
             # Before the outputs: a client that reacts to an output by sending its next request

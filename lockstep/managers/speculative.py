@@ -3,7 +3,7 @@ draft this step, and what their verify passes accepted.
 
 A request with a draft d_1..d_k extends by 1 + k positions (its last token, then the draft), each
 sampled with the noise plain decoding would draw there (step + i); its tokens are taken in order
-up to the first that differs from the draft (`_take_tokens`). On a CPU every row's logits are
+up to the first that differs from the draft (`OutputProcessor._take_tokens`). On a CPU every row's logits are
 the bits a one-token decode step gives (row-wise linears and norms, one query row per attention
 call), and each row's sampling reads what plain decoding's would there (penalties count the
 draft tokens before it, a grammar's mask follows them: build_sampling_info), so tokens, logprobs
@@ -58,33 +58,37 @@ class Speculator:
         pool could not hold them (a draft is never worth retracting a request for)."""
         company = len(running) > 1
         for req in running:
-            req.draft = self._propose(req, max_req_len, company) if len(running) <= SPEC_MAX_BATCH else []
-        drafted = sum(len(r.draft) for r in running)
+            req.spec.draft = (self._propose(req, max_req_len, company)
+                              if len(running) <= SPEC_MAX_BATCH else [])
+        drafted = sum(len(r.spec.draft) for r in running)
         loc = alloc(len(running) + drafted) if drafted else None
         if loc is None:
             for req in running:
-                req.draft = []
+                req.spec.draft = []
         return loc
 
     def _propose(self, req: Req, max_req_len: int, company: bool) -> list[int]:
-        if req.spec is None:
-            req.spec = self.drafter.new_state()
+        if req.spec.drafter is None:
+            req.spec.drafter = self.drafter.new_state()
+        state = req.spec.drafter
         if company:
-            if req.spec.drafted == 0:  # a first draft beside others: a short one, to find out
-                req.spec.length = min(req.spec.length, FIRST_DRAFT_IN_COMPANY)
-            elif not req.spec.last_whole:
+            if state.drafted == 0:  # a first draft beside others: a short one, to find out
+                state.length = min(state.length, FIRST_DRAFT_IN_COMPANY)
+            elif not state.last_whole:
                 return []
         p = req.sampling_params
         # Plain decoding would emit at most this many more tokens; this step emits 1 + the draft.
         left = min(p.max_new_tokens - len(req.output_ids), max_req_len - req.seq_len)
-        draft = self.drafter.propose(req.spec, req.fill_ids, left - 1)
-        if req.grammar is not None:  # a token the grammar forbids ends the draft
-            draft = draft[:req.grammar.valid_prefix(draft)]
+        draft = self.drafter.propose(state, req.fill_ids, left - 1)
+        if (grammar := req.sampling.grammar) is not None:  # a token it forbids ends the draft
+            draft = draft[:grammar.valid_prefix(draft)]
         return draft
 
-    def verified(self, req: Req, drafted: int, accepted: int) -> None:
-        """A decode step of a request that drafts (or may: it has a drafter state) is done."""
-        self.drafter.observe(req.spec, drafted, accepted)
+    def verified(self, req: Req, accepted: int) -> None:
+        """A decode step of a request that drafts (or may: it has a drafter state) is done, and
+        `accepted` of its draft's tokens were taken; the draft is spent."""
+        drafted, req.spec.draft = len(req.spec.draft), []
+        self.drafter.observe(req.spec.drafter, drafted, accepted)
         if not drafted:
             return
         self.stats.verify_passes += 1
