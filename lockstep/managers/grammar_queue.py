@@ -38,8 +38,8 @@ class GrammarQueue:
 
     def remove(self, req: Req) -> None:
         """A request that ends while it waits (aborted): its compile is dropped if not started."""
-        if req in self._reqs:
-            self._reqs.remove(req)
+        if any(r is req for r in self._reqs):  # by identity: requests compare by value
+            self._reqs = [r for r in self._reqs if r is not req]
             if req.sampling.compiling is not None:
                 req.sampling.compiling.cancel()
                 req.sampling.compiling = None
@@ -57,8 +57,9 @@ class GrammarQueue:
         order with their grammar set, each with None or why its constraint did not compile."""
         named = set(rids)  # membership only: the order is the queue's
         out: list[tuple[Req, str | None]] = []
-        for req in [r for r in self._reqs if r.rid in named]:
-            self._reqs.remove(req)
+        taken = [r for r in self._reqs if r.rid in named]
+        self._reqs = [r for r in self._reqs if r.rid not in named]
+        for req in taken:
             compiling, req.sampling.compiling = req.sampling.compiling, None
             try:
                 req.sampling.grammar = compiling.result()  # blocks only on a rank that is behind

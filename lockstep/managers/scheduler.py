@@ -136,10 +136,11 @@ class Scheduler:
     def collect_inputs(self, received: list[Any]) -> list[Any]:
         """The input rank's inputs for this step: what it read off its socket, then which
         grammars have compiled (GrammarsReady). The caller broadcasts the result to every rank."""
-        ready = self.grammar_queue.ready(wait=not received and self._only_grammars_wait())
+        ready = self.grammar_queue.ready(wait=not received and self._no_batch_work())
         return [*received, GrammarsReady(ready)] if ready else received
 
-    def _only_grammars_wait(self) -> bool:
+    def _no_batch_work(self) -> bool:
+        """Nothing to batch or await: only the grammar queue may hold requests."""
         return not (self.waiting or self.running or self.chunked_req or self.loop.in_flight)
 
     def _grammars_ready(self, rids: list[str]) -> None:
@@ -197,7 +198,7 @@ class Scheduler:
         return running, len(self.waiting) + len(self.grammar_queue), used
 
     def is_idle(self) -> bool:
-        return not self.grammar_queue and self._only_grammars_wait()
+        return not self.grammar_queue and self._no_batch_work()
 
     def form_batch(self) -> ScheduleBatch | None:
         """This step's requests: a prefill (mixed with decodes when enabled), else a decode."""
