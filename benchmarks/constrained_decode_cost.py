@@ -55,7 +55,9 @@ def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
 def decode_time(sched, ids: list[int], constraint: Constraint | None, tokens: int, rid: str) -> float:
     params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True,
                             **({constraint.kind: constraint.text} if constraint else {}))
-    sched.step([TokenizedGenerateReq(rid, ids, params)])  # prefill + first token
+    sched.step([TokenizedGenerateReq(rid, ids, params)])  # prefill + first token, or
+    while sched.grammar_queue:  # its grammar compiling off the loop, then prefill + first token
+        sched.step()
     GRAMMAR_SECONDS[0] = 0.0
     t0 = time.perf_counter()
     steps = 0
