@@ -59,7 +59,7 @@ class KVState:
 @dataclass
 class SamplingState:
     """What constrains the request's next tokens beyond its sampling parameters. The scheduler
-    sets it at arrival (stop checker, the grammar's compile) and when the grammar is ready; the
+    sets the stop checker at arrival, its grammar queue the compile and then the grammar; the
     output processor advances both by each sampled token."""
 
     # Constrained decoding: the grammar's state after `output_ids` (retraction keeps both).

@@ -42,8 +42,8 @@ def default_tokenizer() -> Any:
 def _default_model_files() -> ModelFiles:
     """What every scheduler of the default model reads from its files besides the weights, read
     once per test process (the same objects each would build from the same files; each server
-    process still reads its own). The grammar vocabulary is built on the first constrained request
-    of any of them (~5 s for the 262k vocabulary) and then shared: it is read-only."""
+    process still reads its own). The grammar vocabulary is built when the first of them is made
+    (seconds for the 262k vocabulary) and then shared: it is read-only."""
     from lockstep.configs.model_config import ModelConfig
     from lockstep.model_loader import resolve_model
 
