@@ -99,7 +99,7 @@ def _stream_event_times(url: str, started: threading.Event, times: list[float]) 
         for line in r.iter_lines():
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 times.append(time.perf_counter())
-                if len(times) == 8:
+                if len(times) == 16:
                     started.set()
 
 
@@ -107,7 +107,8 @@ def _stream_event_times(url: str, started: threading.Event, times: list[float]) 
 @pytest.mark.real_model
 def test_first_grammar_and_a_large_schema_do_not_stall_other_streams(tmp_path: Path) -> None:
     """On a fresh server (its first grammar): a background stream's longest gap between events
-    stays under a second while a regex and a large JSON schema compile; their outputs hold."""
+    stays under a second (beyond its own pace) while a regex and a large JSON schema compile;
+    their outputs hold."""
     with real_model_server(tmp_path) as server:
         times: list[float] = []
         started = threading.Event()
@@ -136,4 +137,8 @@ def test_first_grammar_and_a_large_schema_do_not_stall_other_streams(tmp_path: P
         before = [b - a for a, b in zip(times, times[1:]) if b < window_start]
         print(f"longest gap while grammars compiled: {max(during):.3f} s over {len(during)} gaps "
               f"(before them: {max(before):.3f} s over {len(before)})")
-        assert max(during) < 1.0, f"a stream stalled {max(during):.2f} s while grammars compiled"
+        # On top of the stream's own slowest step before them (a machine busy with other work
+        # is slow without any grammar): at most a second. The stall this guards against was the
+        # vocabulary and the compile on the loop, seconds long.
+        bound = 1.0 + max(before)
+        assert max(during) < bound, f"a stream stalled {max(during):.2f} s while grammars compiled"
