@@ -47,10 +47,11 @@ class GrammarQueue:
     def ready(self, wait: bool) -> list[str]:
         """The input rank's reading: rids whose grammar has compiled here, in arrival order.
         `wait`: nothing else to do this step, so wait briefly for one instead of spinning."""
-        if wait and self._reqs:
-            concurrent.futures.wait([r.sampling.compiling for r in self._reqs if r.sampling.compiling],
-                                    timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
-        return [r.rid for r in self._reqs if r.sampling.compiling is not None and r.sampling.compiling.done()]
+        compiling = [(r.rid, r.sampling.compiling) for r in self._reqs if r.sampling.compiling]
+        if wait and compiling:
+            concurrent.futures.wait([f for _, f in compiling], timeout=IDLE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        return [rid for rid, f in compiling if f.done()]
 
     def take(self, rids: list[str]) -> list[tuple[Req, str | None]]:
         """Every rank, on the input rank's word: the requests named, out of the queue in arrival

@@ -255,8 +255,8 @@ class Scheduler:
             self._admit_waiting(admitted, locs, budget)
         if not admitted:
             return None
-        for req, loc in zip(admitted, locs):
-            self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, req.kv.cached_len:req.kv.device_len] = loc
+        for kv, loc in zip((r.kv for r in admitted), locs):
+            self.req_to_token_pool.req_to_token[kv.req_pool_idx, kv.cached_len:kv.device_len] = loc
         return ScheduleBatch(admitted, ForwardMode.EXTEND,
                              [int(r.kv.device_len == r.seq_len) for r in admitted], torch.cat(locs))
 
