@@ -119,10 +119,11 @@ def _parts_matmul(x: torch.Tensor, c: LayerConsts, lo: int, hi: int, k: int,
     return y if bias is None else y + bias
 
 
-def decoder_layer(h: torch.Tensor, c: LayerConsts, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
+def decoder_layer(h: torch.Tensor, consts: LayerConsts, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
                   v_buf: torch.Tensor, loc: torch.Tensor, kv_slots: torch.Tensor, starts: torch.Tensor,
                   lens: torch.Tensor) -> torch.Tensor:
     """csrc/layer.cpp step for step on the references above (the model's modules run the same ops)."""
+    c = consts
     ends = [sum(c.part_counts[:i + 1]) for i in range(4)]
     starts_ = [0, *ends[:3]]
 
