@@ -14,9 +14,9 @@ from lockstep.distributed.parallel_state import SINGLE, ParallelGroup
 from lockstep.entrypoints.engine import launch_subprocesses
 from lockstep.kernels import compiled, quantize
 from lockstep.layers.block_weight import BlockWeight
-from lockstep.layers.weight_plan import Target, WeightPlan
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from lockstep.layers.weight_plan import Target, WeightPlan
 from lockstep.model_loader import resolve_model
 from lockstep.server_args import ServerArgs
 from lockstep.testing.gguf_writer import QTYPE, write_gguf
