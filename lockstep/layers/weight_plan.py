@@ -140,8 +140,8 @@ class WeightPlan:
         kind, why = choose(table.qtype, table.n_cols, self.target)
         reads = self.target.device.type == "cpu" and (self.target.dtype == torch.float32
                                                        or kind is Kind.AMX_BF16)
-        if not reads:
-            self._record(Kind.FLOAT, table.stored_type, why)
+        if not reads:  # the logits' parts are counted where the layer plans them (float_weight)
+            self.fallbacks.setdefault(table.stored_type, why)
         return reads
 
     def summary(self) -> dict[str, Any]:
