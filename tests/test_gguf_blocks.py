@@ -16,6 +16,7 @@ from lockstep.kernels import compiled, quantize
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from lockstep.layers.weight_plan import Target, WeightPlan
 from lockstep.model_loader import resolve_model
 from lockstep.server_args import ServerArgs
 from lockstep.testing.gguf_writer import QTYPE, write_gguf
@@ -28,7 +29,11 @@ torch.manual_seed(0)
 
 def blocks(qtype: str, rows: int, cols: int, name: str = "w") -> BlockWeight:
     w = torch.randn(rows, cols) * 0.1
-    return BlockWeight(quantize(qtype, w), qtype, cols, name)
+    return BlockWeight(quantize(qtype, w), kernels.block_type(qtype), cols, name)
+
+
+def cpu_plan(int8: bool = False) -> WeightPlan:
+    return WeightPlan(Target.here("cpu", torch.float32, int8))
 
 
 def test_fused_qkv_with_parts_of_different_types_equals_the_float_reference():
@@ -41,7 +46,7 @@ def test_fused_qkv_with_parts_of_different_types_equals_the_float_reference():
     layer.weight_loader(layer.bias, bias[:64], "q")
     layer.weight_loader(layer.bias, bias[64:96], "k")
     layer.weight_loader(layer.bias, bias[96:], "v")
-    layer.finish_loading()
+    layer.finish_loading(cpu_plan())
     x = torch.randn(5, 64)
     ref = F.linear(x, torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]), bias)
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
@@ -58,7 +63,7 @@ def test_merged_gate_up_and_row_parallel_blocks_equal_the_float_reference():
     down_w = blocks("Q8_0", 64, 96)
     down.weight_loader(down.weight, down_w)
     for m in (gate_up, down):
-        m.finish_loading()
+        m.finish_loading(cpu_plan())
     x = torch.randn(3, 64)
     full = torch.cat([gate.dequantize(), up.dequantize()])
     torch.testing.assert_close(gate_up(x), x @ full.T, rtol=1e-5, atol=1e-5)
@@ -70,7 +75,7 @@ def test_embedding_reads_rows_from_blocks_and_a_tied_head_multiplies_by_them():
     table = blocks("Q8_0", 50, 64, "token_embd.weight")
     emb = VocabParallelEmbedding(50, 64, SINGLE, torch.float32, serves_logits=True)
     emb.weight_loader(emb.weight, table)
-    emb.finish_loading()
+    emb.finish_loading(cpu_plan())
     assert emb.weight is None and emb.table is not None  # no float copy of the table for lookups
     ids = torch.tensor([3, 0, 49, 3])
     assert torch.equal(emb(ids), table.dequantize()[ids])
@@ -87,12 +92,12 @@ def test_tp2_row_parallel_ranks_compute_tp1s_output_rows_bitwise(int8):
     x = torch.randn(4, 96)
     full = RowParallelLinear(96, 48, False, SINGLE, torch.float32)
     full.weight_loader(full.weight, w)
-    full.finish_loading(int8_activations=int8)
+    full.finish_loading(cpu_plan(int8))
     want = full(x)
     for rank in range(2):
         m = RowParallelLinear(96, 48, False, ParallelGroup(rank=rank, size=2), torch.float32)
         m.weight_loader(m.weight, w)
-        m.finish_loading(int8_activations=int8)
+        m.finish_loading(cpu_plan(int8))
         # forward gathers x and then these rows; the gathers only copy
         assert torch.equal(m._matmul(x, None), want[:, rank * 24:(rank + 1) * 24]), rank
 

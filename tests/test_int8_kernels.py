@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep.kernels import INT8_QTYPES, dequantize, unpack_for_int8
+from lockstep.kernels import INT8_QTYPES, BlockType, dequantize, unpack_for_int8
 from lockstep.kernels.blocks import INT8_UNPACKED, linear_int8_reference, quantize_int8
 from lockstep.testing.kernels import (
     assert_batch_invariant,
@@ -161,9 +161,10 @@ def test_fused_parts_are_each_part_bitwise(variant: str) -> None:
 @pytest.mark.parametrize("variant", int8_variant_params())
 @pytest.mark.parametrize("stored", sorted(INT8_UNPACKED))
 def test_unpacked_layouts_are_the_stored_type_bitwise(variant: str, stored: str) -> None:
-    """What the int8 path serves for a Q5_0 or Q4_K weight (block_weight.settle unpacks it at load)
+    """What the int8 path serves for a Q5_0 or Q4_K weight (the weight plan unpacks it at load)
     gives every number the GGUF's blocks give: dequantized, and through the kernel in both its paths."""
-    from lockstep.layers.block_weight import BlockWeight, settle
+    from lockstep.layers.block_weight import BlockWeight, Kind
+    from lockstep.layers.weight_plan import Target, WeightPlan
 
     mod = compiled(variant)
     k = 768
@@ -175,9 +176,10 @@ def test_unpacked_layouts_are_the_stored_type_bitwise(variant: str, stored: str)
     for m in (1, 4, 10, 11, 17):
         xm = x[:m].contiguous()
         assert torch.equal(mod.linear_int8(xm, unpacked, kind, k), mod.linear_int8(xm, raw, stored, k)), m
-    (part,), dequantized = settle([BlockWeight(raw, stored, k)], torch.float32, torch.device("cpu"),
-                                  int8_activations=True)
-    assert part.qtype == kind and part.int8_activations and torch.equal(part.blocks, unpacked) and not dequantized
+    plan = WeightPlan(Target.here("cpu", torch.float32, int8_activations=True))
+    (part,) = plan.parts([BlockWeight(raw, BlockType(stored), k)])
+    assert part.qtype == kind and part.kind is Kind.INT8 and torch.equal(part.blocks, unpacked)
+    assert part.stored_type == stored and not plan.fallbacks
 
 
 def test_variants_agree_bitwise() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from lockstep.entrypoints.engine import launch_subprocesses
 from lockstep.kernels import compiled
-from lockstep.layers.block_weight import BlockWeight
+from lockstep.layers.block_weight import BlockWeight, Kind
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
 from lockstep.server_args import ServerArgs
@@ -23,7 +23,7 @@ def int8_parts(model) -> list[BlockWeight]:
             parts += m.parts or []
         elif isinstance(m, VocabParallelEmbedding) and m.logits_parts:
             parts += m.logits_parts
-    return [p for p in parts if isinstance(p, BlockWeight) and p.int8_activations]
+    return [p for p in parts if isinstance(p, BlockWeight) and p.kind is Kind.INT8]
 
 
 @pytest.mark.real_model

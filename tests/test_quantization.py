@@ -43,8 +43,12 @@ def test_packed_weights_match_an_oracle_with_the_same_rounding(arch, method, tin
     assert len({t for r in ref for t in r.output_ids}) >= 5, "degenerate oracle output proves nothing"
 
 
-def _effective(parts) -> torch.Tensor:
-    return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
+def _float_weight(linear) -> torch.Tensor:
+    """A linear's weight values: its float parameter, or its parts' (blocks dequantized; a float
+    checkpoint's float32 rows are F32 parts on the exact kernel)."""
+    if linear.parts is None:
+        return linear.weight
+    return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in linear.parts])
 
 
 def test_every_linear_and_the_table_are_packed(tiny_model_dirs):
@@ -57,8 +61,8 @@ def test_every_linear_and_the_table_are_packed(tiny_model_dirs):
     checked = 0
     for name, m in packed.named_modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            w = originals[name].weight
-            got = m.weight if m.parts is None else _effective(m.parts)
+            w = _float_weight(originals[name])
+            got = _float_weight(m)
         elif isinstance(m, VocabParallelEmbedding):
             w = originals[name].weight
             assert m.table is not None and m.table.qtype == "Q8_0" and m.weight is None

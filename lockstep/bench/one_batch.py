@@ -84,7 +84,6 @@ class LockstepBench:
     def __init__(self, model_path: str | None, dtype: str, max_bs: int, input_len: int,
                  output_len: int, seed: int, quantization: str | None = None,
                  int8_activations: bool | None = None) -> None:
-        from lockstep.layers.block_weight import BlockWeight
         from lockstep.managers.scheduler import create_scheduler
         from lockstep.server_args import ServerArgs
 
@@ -104,8 +103,7 @@ class LockstepBench:
         self.dtype = self.sched.worker.runner.dtype
         # The dtype column says what the weights are: q8_0w = q8_0 blocks, float32 compute.
         self.dtype_label = f"{quantization}w" if quantization else _dtype_name(self.dtype)
-        if any(isinstance(p, BlockWeight) and p.int8_activations
-               for m in self.sched.worker.runner.model.modules() for p in getattr(m, "parts", None) or []):
+        if self.sched.worker.runner.weight_plan.target.int8_activations:
             self.dtype_label += "+int8a"  # activations quantized to int8 for the block matmuls
         self.worker_time = 0.0
         worker = self.sched.worker

@@ -88,7 +88,8 @@ class Launched:
         info = self.args.info()
         info.update({k: self.info[k] for k in ("model_path", "tokenizer_path", "served_model_name")})
         info.update(max_total_num_tokens=tm.max_total_num_tokens, context_len=tm.context_len,
-                    vocab_size=tm.vocab_size, num_running_requests=len(tm.states))
+                    vocab_size=tm.vocab_size, num_running_requests=len(tm.states),
+                    weight_plan=self.info.get("weight_plan"))  # rank 0's, as its ready message gave it
         return info
 
     def shutdown(self) -> None:

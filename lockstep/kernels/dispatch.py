@@ -9,6 +9,7 @@ the op's `takes`; anything else runs the reference, which gives the same numbers
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from types import ModuleType
@@ -19,8 +20,9 @@ import torch
 from lockstep.kernels import reference as ref
 from lockstep.kernels.blocks import BlockType
 from lockstep.kernels.build import missing_flags, selected
+from lockstep.kernels.layer_consts import LayerConsts
 
-_GROUP = 32  # the compiled block kernels work in groups of 32 input elements
+GROUP = 32  # the compiled block kernels work in groups of 32 input elements
 
 
 @dataclass(frozen=True)
@@ -50,14 +52,12 @@ class Table:
     add_rms_norm: Kernel
     qk_norm_rope: Kernel
     act_and_mul: Kernel
-    # A whole decoder layer in one call (csrc/layer.cpp), None where nothing is compiled. Its
-    # reference is the model's module path, which runs the ops above one by one in the same order.
-    decoder_layer: Callable[..., Any] | None = None
+    # A whole decoder layer in one call (csrc/layer.cpp): the ops above in the modules' order, its
+    # constants by name (layer_consts.LayerConsts)
+    decoder_layer: Kernel
 
     def compiled(self, op: str) -> bool:
         """True when `op` has a compiled version in this process."""
-        if op == "decoder_layer":
-            return self.decoder_layer is not None
         return getattr(self, op).compiled is not None
 
 
@@ -70,7 +70,7 @@ def _cpu_f32(*ts: torch.Tensor) -> bool:
 
 def _blocks_fit(x: torch.Tensor, blocks: torch.Tensor, kind: BlockType, n_cols: int) -> bool:
     # CPU tensors, rows of whole 32-element groups, bytes contiguous within a row (rows may be strided)
-    return (n_cols % _GROUP == 0 and blocks.stride(1) == 1 and x.device.type == "cpu"
+    return (n_cols % GROUP == 0 and blocks.stride(1) == 1 and x.device.type == "cpu"
             and blocks.device.type == "cpu")
 
 
@@ -89,6 +89,17 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
         h2, y = mod.add_rms_norm(h, x, wx, wy, eps)
         return h2, (y if wy is not None else None)
 
+    # each layer's LayerConsts built once into the compiled one, by keyword (a name the C++ side
+    # lacks, or one it wants and is not given, is a TypeError naming it)
+    built: weakref.WeakKeyDictionary[LayerConsts, Any] = weakref.WeakKeyDictionary()
+
+    def decoder_layer(h, c, cos, sin, k_buf, v_buf, loc, kv_slots, starts, lens):  # noqa: ANN001, ANN202
+        native = built.get(c)
+        if native is None:
+            native = built[c] = mod.LayerConsts(**c.named())
+        return mod.decoder_layer(h=h, consts=native, cos=cos, sin=sin, k_buf=k_buf, v_buf=v_buf, loc=loc,
+                                 kv_slots=kv_slots, starts=starts, lens=lens)
+
     ops: dict[str, Callable[..., Any]] = {
         "linear": lambda x, b, kind, k: mod.linear(x.contiguous(), b, kind.code, k),
         "linear_parts": lambda x, parts, k: mod.linear_parts(
@@ -100,7 +111,7 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
         "add_rms_norm": add_rms_norm,
         "qk_norm_rope": mod.qk_norm_rope,
         "act_and_mul": mod.act_and_mul,
-        "decoder_layer": mod.decoder_layer,
+        "decoder_layer": decoder_layer,
     }
     if variant == "avx2" or not missing_flags("int8_vnni"):
         ops["linear_int8"] = lambda x, b, kind, k: mod.linear_int8(x.contiguous(), b, kind.code, k)
@@ -124,6 +135,7 @@ _TAKES: dict[str, Callable[..., bool]] = {
     "add_rms_norm": lambda h, x, wx, wy, eps: _rows(h, x),
     "qk_norm_rope": lambda qkv, n_q, n_kv, d, qw, kw, cos, sin, eps: _rows(qkv, cos, sin, dims=(1, 2, 3)),
     "act_and_mul": lambda g, act: _rows(g),
+    "decoder_layer": lambda h, *_: _rows(h),
 }
 
 
@@ -132,7 +144,7 @@ def build_table(variant: str, mod: ModuleType | None) -> Table:
     compiled = _compiled_ops(mod, variant) if mod is not None else {}
     ops = {f.name: Kernel(getattr(ref, f.name), compiled.get(f.name), _TAKES[f.name])
            for f in fields(Table) if f.name in _TAKES}
-    return Table(variant=variant, decoder_layer=compiled.get("decoder_layer"), **ops)
+    return Table(variant=variant, **ops)
 
 
 @functools.cache

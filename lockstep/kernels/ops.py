@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from lockstep.kernels import reference
 from lockstep.kernels.blocks import INT8_QTYPES, BlockType, block_type, check_blocks
 from lockstep.kernels.dispatch import table
+from lockstep.kernels.layer_consts import LayerConsts
 
 
 def kernel_variant() -> str:
@@ -155,11 +155,12 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return table().act_and_mul(gate_up, act)
 
 
-def decoder_layer(*args: Any) -> torch.Tensor:
-    """A whole decoder layer of the float32 CPU path in one compiled call (csrc/layer.cpp): the ops
-    the model's modules run one by one, in their order, so the same bits. Only where
-    compiled("decoder_layer"); models/llama.py builds the arguments once per layer."""
-    fn = table().decoder_layer
-    if fn is None:
-        raise RuntimeError("decoder_layer: no compiled kernels in this process; run the modules")
-    return fn(*args)
+def decoder_layer(h: torch.Tensor, consts: LayerConsts, cos: torch.Tensor, sin: torch.Tensor,
+                  k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, kv_slots: torch.Tensor,
+                  starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """A whole decoder layer of the float32 CPU path in one call (csrc/layer.cpp): the ops the
+    model's modules run one by one, in their order, so the same bits. h [T, D] float32 rows; the
+    layer's constants by name (`consts`, built once per layer: models/one_call.py); cos/sin [T,
+    head_dim]; the layer's K/V buffers, where this step's K/V goes (loc) and each row's K/V slots
+    (kv_slots[starts[r] : starts[r] + lens[r]]) as `decode_attention` reads them."""
+    return table().decoder_layer(h, consts, cos, sin, k_buf, v_buf, loc, kv_slots, starts, lens)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.kernels.blocks import BlockType, dequantize, linear_int8_reference
+from lockstep.kernels.layer_consts import LayerConsts
 
 COMPILED_ACTS = ("gelu_tanh", "silu")
 
@@ -65,7 +66,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    # max(dim) returns the same first-maximum index as argmax and is faster on CPU (2x alone)
+    # max(dim) returns the same first-maximum index as argmax, and is the faster of the two on CPU
     return x.max(dim=-1).indices
 
 
@@ -100,3 +101,43 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     g = F.gelu(gate, approximate="tanh") if act == "gelu_tanh" else F.silu(gate)
     return g * up
+
+
+_BY_CODE = {t.code: t for t in BlockType}  # GGML type id -> BlockType (LayerConsts.block_types)
+
+
+def _parts_matmul(x: torch.Tensor, c: LayerConsts, lo: int, hi: int, k: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """csrc/layer.cpp's parts_matmul: a lone float part with its bias in torch's linear, else the
+    parts by kind (block_weight.matmul_parts), then the bias."""
+    if hi - lo == 1 and c.kinds[lo] == "float":
+        return F.linear(x, c.weights[lo], bias)
+    by = {"exact": linear, "int8": linear_int8}
+    outs = [F.linear(x, c.weights[i]) if c.kinds[i] == "float"
+            else by[c.kinds[i]](x, c.weights[i], _BY_CODE[c.block_types[i]], k) for i in range(lo, hi)]
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return y if bias is None else y + bias
+
+
+def decoder_layer(h: torch.Tensor, consts: LayerConsts, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
+                  v_buf: torch.Tensor, loc: torch.Tensor, kv_slots: torch.Tensor, starts: torch.Tensor,
+                  lens: torch.Tensor) -> torch.Tensor:
+    """csrc/layer.cpp step for step on the references above (the model's modules run the same ops)."""
+    c = consts
+    ends = [sum(c.part_counts[:i + 1]) for i in range(4)]
+    starts_ = [0, *ends[:3]]
+
+    def matmul(x: torch.Tensor, i: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _parts_matmul(x, c, starts_[i], ends[i], c.in_features[i], bias)
+
+    qkv = matmul(rms_norm(h, c.norms[0], c.eps), 0, c.qkv_bias)
+    qk_norm_rope(qkv, c.n_q, c.n_kv, c.head_dim, c.q_norm, c.k_norm, cos, sin, c.qk_eps)
+    t, d, hq, hk = qkv.shape[0], c.head_dim, c.n_q, c.n_kv
+    k_buf[loc] = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d).to(k_buf.dtype)
+    v_buf[loc] = qkv[:, (hq + hk) * d:(hq + 2 * hk) * d].view(t, hk, d).to(v_buf.dtype)
+    a = matmul(decode_attention(qkv[:, :hq * d].view(t, hq, d), k_buf, v_buf, kv_slots, starts, lens,
+                                c.scaling, c.softcap or None, c.window or None), 1)
+    gemma = len(c.norms) == 4
+    h2, x = add_rms_norm(h, a, c.norms[1] if gemma else None, c.norms[2] if gemma else c.norms[1], c.eps)
+    m = matmul(act_and_mul(matmul(x, 2), c.act), 3)
+    return add_rms_norm(h2, m, c.norms[3], None, c.eps)[0] if gemma else h2 + m

@@ -12,8 +12,9 @@ from torch import nn
 
 from lockstep import kernels
 from lockstep.distributed.parallel_state import ParallelGroup
-from lockstep.layers.block_weight import BlockWeight, Part, matmul_parts, pack, settle, uses_kernel
+from lockstep.layers.block_weight import BlockWeight, Part, matmul_parts, pack
 from lockstep.layers.linear import _copy, _param
+from lockstep.layers.weight_plan import WeightPlan
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
                                                   self.weight_loader)
         self._dtype, self._device = dtype, self.weight.device
         self.table: BlockWeight | None = None  # lookups read these blocks when set
-        self.logits_parts: list[Part] | None = None  # what logits multiply by, with `table`
+        self.logits_parts: list[Part] | None = None  # what logits multiply by (set at finish_loading)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | BlockWeight) -> None:
         if isinstance(loaded, BlockWeight):
@@ -47,25 +48,20 @@ class VocabParallelEmbedding(nn.Module):
         if self.weight is not None and self.table is None:
             self.table = pack(self.weight, qtype, name)
 
-    def finish_loading(self, int8_activations: bool = False) -> list[str]:
-        """Settle a block table; returns the block types dequantized here (no kernel). Lookups
-        stay exact; `int8_activations` is for the logits (see block_weight.settle)."""
-        if self.table is None:
-            return []
-        if self._device.type != "cpu" or (self._dtype != torch.float32
-                                           and not uses_kernel(self.table, self._dtype, self._device)):
-            # Lookups in a dtype no kernel serves or on a GPU: one float table, as a float
-            # checkpoint has (float32 and AMX bfloat16 lookups read the blocks).
+    def finish_loading(self, plan: WeightPlan) -> None:
+        """Settle the table as `plan` decides: lookups read a block table as it is where they can
+        (else one float table, as a float checkpoint has); the logits multiply by the parts the
+        plan gives (block kinds, F32 rows of a float32 table, or the float table itself)."""
+        if self.table is not None and not plan.table_reads_blocks(self.table):
             self.weight = nn.Parameter(self.table.dequantize().to(self._device, self._dtype),
                                        requires_grad=False)
             self.table = None
-            return []
-        self.weight = None
+        if self.table is not None:
+            self.weight = None
         if not self.serves_logits:
-            return []
-        self.logits_parts, dequantized = settle([self.table], self._dtype, self._device,
-                                                int8_activations)
-        return dequantized
+            return
+        self.logits_parts = (plan.parts([self.table]) if self.table is not None
+                             else plan.float_weight(self.weight.data))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -84,8 +80,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for this rank's vocab slice, gathered so every rank sees the full row."""
-        local = (matmul_parts(hidden, self.logits_parts) if self.logits_parts is not None
-                 else F.linear(hidden, self.weight))
+        local = matmul_parts(hidden, self.logits_parts)
         return self.tp.all_gather(local, dim=-1)[..., : self.vocab_size]
 
 

@@ -4,9 +4,10 @@ checkpoint tensor and keeps only this rank's shard, so a rank never holds more t
 A float checkpoint's weight is copied into the float parameter. A GGUF's weight arrives as a
 `BlockWeight` and stays in its blocks: the loader keeps this rank's output rows (every layer
 here is split by output rows, see RowParallelLinear), one part per checkpoint tensor, and
-`finish_loading` settles them (kernel or dequantized floats, see block_weight.settle). Fused
-layers (q/k/v, gate/up) whose parts have different block types keep one part each and
-concatenate the outputs.
+`finish_loading` settles them as the weight plan decides (weight_plan.py: a kernel, or floats
+dequantized once); a float32 weight on a CPU becomes F32 blocks there too, so every linear's
+output rows are batch invariant. Fused layers (q/k/v, gate/up) whose parts have different block
+types keep one part each and concatenate the outputs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.distributed.parallel_state import ParallelGroup
-from lockstep.layers.block_weight import BlockWeight, Part, matmul_parts, pack, settle
+from lockstep.layers.block_weight import BlockWeight, Part, matmul_parts, pack
+from lockstep.layers.weight_plan import WeightPlan
 
 WeightLoader = Callable[..., None]
 
@@ -36,15 +38,15 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
 
 
 class _BlockParts(nn.Module):
-    """The weight of a linear: the float parameter `weight`, or after `finish_loading` of block
-    parts, `parts` (and `weight` None)."""
+    """The weight of a linear: the float parameter `weight` until `finish_loading`; after it,
+    either `weight` (one float part, torch's matmul with the bias) or `parts` (and `weight` None),
+    each of the kind the weight plan chose."""
 
     weight: nn.Parameter | None
     part_keys: tuple[Hashable, ...] = (0,)  # checkpoint tensors in output-row order
 
     def _init_parts(self) -> None:
         assert self.weight is not None
-        self._dtype, self._device = self.weight.dtype, self.weight.device
         self.parts: list[Part] | None = None
         self._loaded: dict[Hashable, BlockWeight] = {}
 
@@ -59,23 +61,25 @@ class _BlockParts(nn.Module):
             self._loaded = {self.part_keys[0]: pack(self.weight, qtype, name)}
             self.part_keys = self.part_keys[:1]
 
-    def finish_loading(self, int8_activations: bool = False) -> list[str]:
-        """Settle loaded block parts (see block_weight.settle for `int8_activations`); returns the
-        block types dequantized here (no kernel)."""
-        if not self._loaded:
-            return []
-        missing = [k for k in self.part_keys if k not in self._loaded]
-        if missing:
-            raise KeyError(f"no checkpoint tensor for part(s) {missing} of a fused linear")
-        parts, dequantized = settle([self._loaded[k] for k in self.part_keys],
-                                    self._dtype, self._device, int8_activations)
+    def finish_loading(self, plan: WeightPlan) -> None:
+        """Settle the weight as `plan` decides: loaded block parts, or the float parameter."""
+        if self._loaded:
+            missing = [k for k in self.part_keys if k not in self._loaded]
+            if missing:
+                raise KeyError(f"no checkpoint tensor for part(s) {missing} of a fused linear")
+            parts = plan.parts([self._loaded[k] for k in self.part_keys])
+        else:
+            if self.weight is None:
+                return  # settled already
+            parts = plan.float_weight(self.weight.data)
         self._loaded = {}
         if len(parts) == 1 and isinstance(parts[0], torch.Tensor):
-            self.weight = nn.Parameter(parts[0], requires_grad=False)
+            if parts[0] is not getattr(self.weight, "data", None):
+                self.weight = nn.Parameter(parts[0], requires_grad=False)
+            self.parts = None
         else:
             self.weight = None
             self.parts = parts
-        return dequantized
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.parts is None:

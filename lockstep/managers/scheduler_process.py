@@ -60,7 +60,8 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, tp_rank: int, pp_ra
                 load = zmq_socket(ctx, zmq.PUSH, ports.dp_load_ipc)
     pipe.send({"status": "ready", "max_total_num_tokens": sched.max_total_tokens,
                "context_len": sched.context_len, "tp_rank": tp_rank, "pp_rank": pp_rank,
-               "param_bytes": weight_bytes(sched.worker.runner.model)})
+               "param_bytes": weight_bytes(sched.worker.runner.model),
+               "weight_plan": sched.worker.runner.weight_plan.summary()})
     with exit_on_error(f"scheduler TP{tp_rank}"):
         event_loop(args, sched, world_group, recv, send, load)
 

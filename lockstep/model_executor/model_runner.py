@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """auto: float32 on a CPU, where the block kernels take float32 activations and a request's
-    numbers do not depend on its batch (bfloat16 matmuls there made 5 of 32 greedy requests
-    differ between alone and batched); bfloat16 on CUDA."""
+    numbers do not depend on its batch (torch's bfloat16 matmuls there change greedy outputs
+    between alone and batched: docs/benchmarks.md, "bf16 vs float32 agreement"); bfloat16 on CUDA."""
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -33,10 +33,11 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 def kv_cache_dtype(name: torch.dtype | None, dtype: torch.dtype, int8_activations: bool) -> torch.dtype:
     """The K/V pool's type. auto (None): float16 where int8 activations are on, as llama.cpp keeps its
-    KV cache (a batch-32 decode step read 377 MB of float32 K/V from memory: attention 12 ms of a
-    ~60 ms step, 7 ms on float16); else the model's dtype, so the exact float32 path stays float32 end to
-    end (the HF-equality oracle). A 16-bit pool rounds each K/V value once, on write: no request's
-    numbers depend on its batch either way."""
+    KV cache (batched decode attention reads every request's K/V from memory each step, so half the
+    bytes is a large share of the step: docs/benchmarks.md, "Zen 4, night: a float16 K/V cache");
+    else the model's dtype, so the exact float32 path stays float32 end to end (the HF-equality
+    oracle). A 16-bit pool rounds each K/V value once, on write: no request's numbers depend on its
+    batch either way."""
     if name is not None:
         return name
     return torch.float16 if int8_activations else dtype
@@ -88,9 +89,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(cfg.device):
             self.model = build_model(model_cfg, tp, cfg.dtype, pp)
-        int8_on = load_model_weights(self.model, source, cfg.quantization, cfg.dtype, cfg.device,
-                                     cfg.int8_activations)
-        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, cfg.dtype, int8_on)
+        # which kernel multiplies each weight, decided once here (its summary: /get_server_info)
+        self.weight_plan = load_model_weights(self.model, source, cfg.quantization, cfg.dtype,
+                                              cfg.device, cfg.int8_activations)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, cfg.dtype, self.weight_plan.target.int8_activations)
         self.model.eval()
         logger.info("weights loaded in %.1f s", time.perf_counter() - t0)
         self.context_len = min(cfg.context_length or model_cfg.max_position, model_cfg.max_position)

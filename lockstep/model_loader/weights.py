@@ -3,8 +3,9 @@
 Safetensors files yield float tensors, one at a time, memory-mapped. A GGUF yields its matrices as
 `BlockWeight`s over a memory map of the file itself (the bytes llama.cpp reads, no copy), and its
 vectors (norms, biases) as float32 tensors, with llama.cpp's transforms undone as the tensor index
-says. A block type `lockstep.kernels` does not know (Q2_K, the IQ types, ...) is dequantized here,
-once, into float32 rows (GGML's F32 "blocks"), with one log line per type."""
+says. A block type the kernels' table does not list (weight_plan.readable) is dequantized here, once,
+into float32 rows (GGML's F32 "blocks") that remember the stored type, so the weight plan records the
+fallback; one log line per type."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from lockstep import kernels
+from lockstep.kernels import BlockType
 from lockstep.layers.block_weight import BlockWeight
+from lockstep.layers.weight_plan import fallback_reason, readable
 from lockstep.model_loader.layout import TENSOR_INDEX, ModelLoadError
 from lockstep.model_loader.source import ModelSource
 
@@ -67,10 +69,12 @@ def iter_gguf_weights(gguf_path: Path, index_path: Path) -> Iterator[tuple[str, 
             raise ModelLoadError(f"{gguf_path}: truncated: {e['gguf']} ends at byte {end}")
         shape, qtype = e["shape"], e["qtype"]
         raw = torch.from_numpy(data[e["offset"]:end]).view(shape[0] if len(shape) == 2 else 1, -1)
-        weight = BlockWeight(raw, qtype, shape[-1], e["gguf"])
-        if qtype not in kernels.GGML_BLOCKS:
-            weight = _dequantized_f32(weight, gguf_path)
+        kind = readable(qtype)
+        if kind is None:
+            weight = _dequantized_f32(raw, qtype, shape[-1], e["gguf"], gguf_path)
             unknown[qtype] += 1
+        else:
+            weight = BlockWeight(raw, kind, shape[-1], e["gguf"])
         transform = e["transform"] or [None]
         if transform[0] == "unpermute":
             weight = weight.take_rows(_unpermute_rows(shape[0], transform[1]))
@@ -80,21 +84,20 @@ def iter_gguf_weights(gguf_path: Path, index_path: Path) -> Iterator[tuple[str, 
         else:
             yield name, weight
     for qtype, n in sorted(unknown.items()):
-        logger.info("%s: %d %s tensor(s) dequantized to float32 at load (no %s kernel in "
-                    "lockstep.kernels)", gguf_path.name, n, qtype, qtype)
+        logger.info("%s: %d %s tensor(s): %s", gguf_path.name, n, qtype, fallback_reason(qtype))
 
 
-def _dequantized_f32(weight: BlockWeight, gguf_path: Path) -> BlockWeight:
+def _dequantized_f32(raw: torch.Tensor, qtype: str, n_cols: int, name: str, gguf_path: Path) -> BlockWeight:
+    """gguf's numpy dequantization of a type the kernels lack, as F32 rows that name `qtype`."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     try:
-        values = dequantize(weight.blocks.numpy(), GGMLQuantizationType[weight.qtype])
+        values = dequantize(raw.numpy(), GGMLQuantizationType[qtype])
     except Exception as e:
-        raise ModelLoadError(
-            f"{gguf_path}: cannot dequantize {weight.name} ({weight.qtype}): {e}") from e
+        raise ModelLoadError(f"{gguf_path}: cannot dequantize {name} ({qtype}): {e}") from e
     rows = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-    return BlockWeight(rows.view(torch.uint8), "F32", weight.n_cols, weight.name)
+    return BlockWeight(rows.view(torch.uint8), BlockType.F32, n_cols, name, stored=qtype)
 
 
 def _unpermute_rows(n_rows: int, n_heads: int) -> torch.Tensor:

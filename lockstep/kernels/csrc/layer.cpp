@@ -1,10 +1,10 @@
 // One decoder layer of the CPU float32 path in one call: what models/llama.py (and gemma3.py) run
 // module by module, op for op, with the same kernels in the same order, so the same bits
 // (tests/test_fused_kernels.py holds the two equal on Llama- and Gemma-shaped layers, block and float
-// weights, int8 and exact activations). What it saves is the Python between the kernels: about 300
-// interpreter calls per layer (module calls, dispatch checks, views) around ~10 kernel calls: 15% of a
-// one-user decode step's CPU time on the AVX2 EPYC (docs/benchmarks.md). Tensor-parallel ranks keep
-// the module path: their collectives sit between these ops.
+// weights, int8 and exact activations). What it saves is the Python between the kernels: hundreds of
+// interpreter calls per layer (module calls, dispatch checks, views) around about ten kernel calls, a
+// visible share of a one-user decode step (docs/benchmarks.md, "One call per decoder layer").
+// Tensor-parallel ranks keep the module path: their collectives sit between these ops.
 #include <ATen/ATen.h>
 
 #include "ops.h"
@@ -12,31 +12,31 @@
 namespace lockstep {
 namespace {
 
-constexpr int64_t kOwnWeight = -2;  // the layer's own float weight: torch's linear with the bias
-constexpr int64_t kFloatPart = -1;  // a float part beside block parts (dequantized at load)
-
-// block_weight.matmul_parts, then the bias: all-exact block parts in one linear_parts call, all-int8 ones
-// in one linear_int8_parts call, else one matmul per part (int8 or exact kernel, torch's for float parts)
-at::Tensor parts_matmul(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& type,
-                        const std::vector<int64_t>& int8, int64_t lo, int64_t hi, int64_t k,
+// block_weight.matmul_parts, then the bias: a lone float part is the layer's own float weight (torch's
+// linear with the bias, as the module runs it); all-exact parts in one linear_parts call, all-int8 ones
+// in one linear_int8_parts call; else one matmul per part, each on its kind's kernel
+at::Tensor parts_matmul(const at::Tensor& x, const LayerConsts& c, int64_t lo, int64_t hi, int64_t k,
                         const c10::optional<at::Tensor>& bias) {
-  if (hi - lo == 1 && type[lo] == kOwnWeight) return at::linear(x, w[lo], bias);
-  bool exact = true, all_int8 = true;
+  const auto& w = c.weights;
+  if (hi - lo == 1 && c.kinds[lo] == PartKind::kFloat) return at::linear(x, w[lo], bias);
+  bool exact = true, int8 = true;
   for (int64_t i = lo; i < hi; ++i) {
-    exact = exact && type[i] >= 0 && !int8[i];
-    all_int8 = all_int8 && type[i] >= 0 && int8[i];
+    exact = exact && c.kinds[i] == PartKind::kExact;
+    int8 = int8 && c.kinds[i] == PartKind::kInt8;
   }
   at::Tensor y;
-  if (exact || all_int8) {
+  if (exact || int8) {
     const std::vector<at::Tensor> ws(w.begin() + lo, w.begin() + hi);
-    const std::vector<int64_t> ts(type.begin() + lo, type.begin() + hi);
+    const std::vector<int64_t> ts(c.block_types.begin() + lo, c.block_types.begin() + hi);
     y = exact ? linear_parts(x.contiguous(), ws, ts, k) : linear_int8_parts(x.contiguous(), ws, ts, k);
   } else {
     std::vector<at::Tensor> outs;
     for (int64_t i = lo; i < hi; ++i) {
-      if (type[i] == kFloatPart) outs.push_back(at::linear(x, w[i]));
-      else if (int8[i]) outs.push_back(linear_int8(x.contiguous(), w[i], type[i], k));
-      else outs.push_back(linear(x.contiguous(), w[i], type[i], k));
+      switch (c.kinds[i]) {
+        case PartKind::kFloat: outs.push_back(at::linear(x, w[i])); break;
+        case PartKind::kInt8: outs.push_back(linear_int8(x.contiguous(), w[i], c.block_types[i], k)); break;
+        case PartKind::kExact: outs.push_back(linear(x.contiguous(), w[i], c.block_types[i], k)); break;
+      }
     }
     y = outs.size() == 1 ? outs[0] : at::cat(outs, -1);
   }
@@ -45,45 +45,45 @@ at::Tensor parts_matmul(const at::Tensor& x, const std::vector<at::Tensor>& w, c
 
 }  // namespace
 
-at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& norms, double eps,
-                         const std::vector<at::Tensor>& w, const std::vector<int64_t>& type,
-                         const std::vector<int64_t>& int8, const std::vector<int64_t>& count,
-                         const std::vector<int64_t>& k, const c10::optional<at::Tensor>& qkv_bias, int64_t hq,
-                         int64_t hk, int64_t dh, const c10::optional<at::Tensor>& qw,
-                         const c10::optional<at::Tensor>& kw, double qk_eps, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                         const at::Tensor& loc, const at::Tensor& kv_slots, const at::Tensor& starts,
-                         const at::Tensor& lens, double scaling, double softcap, int64_t window,
-                         const std::string& act) {
-  TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms: 2 (Llama) or 4 (Gemma)");
-  TORCH_CHECK(count.size() == 4 && k.size() == 4, "four linears: qkv, o, gate_up, down");
-  TORCH_CHECK(w.size() == type.size() && w.size() == int8.size() &&
-                  static_cast<int64_t>(w.size()) == count[0] + count[1] + count[2] + count[3],
-              "one type and int8 flag per weight part");
+at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc,
+                         const at::Tensor& kv_slots, const at::Tensor& starts, const at::Tensor& lens) {
+  const auto& norms = c.norms;
   const bool gemma = norms.size() == 4;
   int64_t at_part = 0;
   auto matmul = [&](const at::Tensor& x, int i, const c10::optional<at::Tensor>& bias) {
     const int64_t lo = at_part;
-    at_part += count[i];
-    return parts_matmul(x, w, type, int8, lo, at_part, k[i], bias);
+    at_part += c.part_counts[i];
+    return parts_matmul(x, c, lo, at_part, c.in_features[i], bias);
   };
+  const int64_t hq = c.n_q, hk = c.n_kv, dh = c.head_dim;
   // attention: input norm, qkv, q/k norms and rotary in place, KV written, every row's attention
-  const at::Tensor qkv = matmul(rms_norm(h, norms[0], eps), 0, qkv_bias);
-  qk_norm_rope(qkv, hq, hk, dh, qw, kw, cos, sin, qk_eps);
+  const at::Tensor qkv = matmul(rms_norm(h, norms[0], c.eps), 0, c.qkv_bias);
+  qk_norm_rope(qkv, hq, hk, dh, c.q_norm, c.k_norm, cos, sin, c.qk_eps);
   const int64_t t = qkv.size(0);
   const at::Tensor q = qkv.narrow(1, 0, hq * dh).view({t, hq, dh});
   // K/V rounded to the pool's type (--kv-cache-dtype) as TokenToKVPool.set_kv rounds them: torch's conversion
   k_buf.index_put_({loc}, qkv.narrow(1, hq * dh, hk * dh).view({t, hk, dh}).to(k_buf.scalar_type()));
   v_buf.index_put_({loc}, qkv.narrow(1, (hq + hk) * dh, hk * dh).view({t, hk, dh}).to(v_buf.scalar_type()));
-  const at::Tensor a = matmul(decode_attention(q, k_buf, v_buf, kv_slots, starts, lens, scaling, softcap, window),
-                              1, c10::nullopt);
+  const at::Tensor a = matmul(decode_attention(q, k_buf, v_buf, kv_slots, starts, lens, c.scaling, c.softcap,
+                                               c.window), 1, c10::nullopt);
   // residual steps around the MLP (layers/norm.add_norm)
   at::Tensor h2, x;
-  if (gemma) std::tie(h2, x) = add_rms_norm(h, a, norms[1], norms[2], eps);
-  else std::tie(h2, x) = add_rms_norm(h, a, c10::nullopt, norms[1], eps);
-  const at::Tensor m = matmul(act_and_mul(matmul(x, 2, c10::nullopt), act), 3, c10::nullopt);
-  if (gemma) return std::get<0>(add_rms_norm(h2, m, norms[3], c10::nullopt, eps));
+  if (gemma) std::tie(h2, x) = add_rms_norm(h, a, norms[1], norms[2], c.eps);
+  else std::tie(h2, x) = add_rms_norm(h, a, c10::nullopt, norms[1], c.eps);
+  const at::Tensor m = matmul(act_and_mul(matmul(x, 2, c10::nullopt), c.act), 3, c10::nullopt);
+  if (gemma) return std::get<0>(add_rms_norm(h2, m, norms[3], c10::nullopt, c.eps));
   return h2 + m;
+}
+
+void check_layer_consts(const LayerConsts& c) {
+  TORCH_CHECK(c.norms.size() == 2 || c.norms.size() == 4, "norms: 2 (Llama) or 4 (Gemma)");
+  TORCH_CHECK(c.part_counts.size() == 4 && c.in_features.size() == 4, "four linears: qkv, o, gate_up, down");
+  int64_t parts = 0;
+  for (int64_t n : c.part_counts) parts += n;
+  TORCH_CHECK(c.weights.size() == c.kinds.size() && c.weights.size() == c.block_types.size() &&
+                  static_cast<int64_t>(c.weights.size()) == parts,
+              "one kind and block type per weight part, part_counts adding up to them");
 }
 
 }  // namespace lockstep

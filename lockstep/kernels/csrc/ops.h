@@ -34,17 +34,43 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
 void qk_norm_rope(const at::Tensor& qkv, int64_t hq, int64_t hk, int64_t dh, const c10::optional<at::Tensor>& qw,
                   const c10::optional<at::Tensor>& kw, const at::Tensor& cos, const at::Tensor& sin, double eps);
 at::Tensor act_and_mul(const at::Tensor& gate_up, const std::string& act);
-// layer.cpp: a whole decoder layer of the float32 path, the ops above in the modules' order
-at::Tensor decoder_layer(const at::Tensor& h, const std::vector<at::Tensor>& norms, double eps,
-                         const std::vector<at::Tensor>& w, const std::vector<int64_t>& type,
-                         const std::vector<int64_t>& int8, const std::vector<int64_t>& count,
-                         const std::vector<int64_t>& k, const c10::optional<at::Tensor>& qkv_bias, int64_t hq,
-                         int64_t hk, int64_t dh, const c10::optional<at::Tensor>& qw,
-                         const c10::optional<at::Tensor>& kw, double qk_eps, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                         const at::Tensor& loc, const at::Tensor& kv_slots, const at::Tensor& starts,
-                         const at::Tensor& lens, double scaling, double softcap, int64_t window,
-                         const std::string& act);
+// layer.cpp: a whole decoder layer of the float32 path, the ops above in the modules' order.
+// How each weight part is multiplied: the weight plan's kinds (layers/block_weight.Kind), by name.
+// Python passes the names ("exact", ...); register.cpp turns them into these once, at construction.
+enum class PartKind : int64_t { kExact = 0, kInt8 = 1, kFloat = 2 };
+// A layer's constant arguments, by name: X(type, name). register.cpp builds a LayerConsts from the
+// Python keyword arguments of the same names (kernels/layer_consts.py lists them), refusing a
+// missing or unknown one, so the two sides cannot disagree silently.
+#define LOCKSTEP_LAYER_CONSTS(X)                                                                       \
+  X(std::vector<at::Tensor>, norms)       /* input, post-attention (+ Gemma's pre/post feed-forward) */ \
+  X(double, eps)                          /* the norms' epsilon */                                     \
+  X(std::vector<at::Tensor>, weights)     /* every part of qkv, o, gate_up, down, in that order */     \
+  X(std::vector<PartKind>, kinds)         /* each part's kind */                                       \
+  X(std::vector<int64_t>, block_types)    /* each part's GGML type id (float parts: F32's, 0) */       \
+  X(std::vector<int64_t>, part_counts)    /* parts per linear, 4 linears */                            \
+  X(std::vector<int64_t>, in_features)    /* per linear */                                             \
+  X(c10::optional<at::Tensor>, qkv_bias)  /* Qwen2's */                                                \
+  X(int64_t, n_q)                         /* this rank's query heads */                                \
+  X(int64_t, n_kv)                        /* and KV heads */                                           \
+  X(int64_t, head_dim)                                                                                 \
+  X(c10::optional<at::Tensor>, q_norm)    /* Qwen3's / Gemma's per-head q/k norms */                   \
+  X(c10::optional<at::Tensor>, k_norm)                                                                 \
+  X(double, qk_eps)                                                                                    \
+  X(double, scaling)                      /* attention's */                                            \
+  X(double, softcap)                      /* 0: none */                                                \
+  X(int64_t, window)                      /* 0: none */                                                \
+  X(std::string, act)                     /* "silu" | "gelu_tanh" */
+struct LayerConsts {
+#define LOCKSTEP_FIELD(type, name) type name{};
+  LOCKSTEP_LAYER_CONSTS(LOCKSTEP_FIELD)
+#undef LOCKSTEP_FIELD
+};
+// The per-step arguments: this step's rows h, rotary cos/sin, the layer's K/V buffers, where this
+// step's K/V goes (loc) and each row's K/V slots (kv_slots[starts[r] : starts[r] + lens[r]]).
+at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc,
+                         const at::Tensor& kv_slots, const at::Tensor& starts, const at::Tensor& lens);
+void check_layer_consts(const LayerConsts& c);  // TORCH_CHECKs the parts' counts agree
 #ifdef LOCKSTEP_AVX512
 // amx_bf16.cpp: bfloat16 x against bfloat16-rounded blocks on AMX tiles
 at::Tensor linear_amx_bf16(const at::Tensor& xb, const at::Tensor& blocks, int64_t type, int64_t k);
