@@ -134,3 +134,43 @@ def test_compiled_int8_path_is_the_reference_bitwise(variant: str, qtype: str) -
         fused = mod.linear_int8_parts(xm, [blocks, other], [qtype, "Q8_0"], k)
         assert torch.equal(fused, torch.cat([linear_int8_reference(xm, blocks, qtype, k),
                                              linear_int8_reference(xm, other, "Q8_0", k)], dim=1))
+
+
+GGUF_TYPE_OF = {"attn_q": "Q4_1", "attn_k": "Q5_1", "attn_v": "IQ4_NL", "attn_output": "Q5_K",
+                "ffn_gate": "Q2_K", "ffn_up": "Q3_K", "ffn_down": "IQ4_XS", "token_embd": "Q4_1", "output": "Q5_1"}
+
+
+def test_a_gguf_of_the_new_types_is_served_on_its_blocks(tmp_path, caplog) -> None:
+    """Every new type in one tiny llama GGUF: nothing dequantized at load, every linear multiplies
+    by the blocks (exact path: greedy equal to HF on the file's dequantized weights; int8 path: the
+    int8 kernels on the same types)."""
+    import logging
+
+    from lockstep.layers.block_weight import BlockWeight
+    from lockstep.model_loader import resolve_model
+    from lockstep.testing.gguf_writer import QTYPE, write_gguf
+    from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
+    from lockstep.testing.oracle import greedy_matches, hf_greedy
+    from lockstep.testing.tiny_models import tiny_hf_model
+
+    def qtype_of(name: str):  # noqa: ANN202
+        return QTYPE[next(t for key, t in GGUF_TYPE_OF.items() if f"{key}." in name)]
+
+    model = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    path = write_gguf(model, "llama", tmp_path / "new_types.gguf", qtype_of=qtype_of)
+    prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62]]
+    ref = hf_greedy(resolve_model(str(path)).model_dir, prompts, 8)
+    for int8 in (False, True):
+        with caplog.at_level(logging.INFO, logger="lockstep.model_loader.weights"):
+            sched = make_scheduler(path, max_total_tokens=2048, int8_activations=int8)
+        assert not [r for r in caplog.records if "dequantized to float32" in r.message]
+        linears = [m for m in sched.worker.runner.model.modules() if hasattr(m, "parts")]
+        parts = [p for m in linears for p in m.parts]
+        assert linears and all(isinstance(p, BlockWeight) and p.int8_activations == int8 for p in parts)
+        assert {p.qtype for p in parts} >= set(GGUF_TYPE_OF.values()) - {"Q4_1"}
+        got = run_to_completion(sched, [greedy_req(f"r{i}", p, 8) for i, p in enumerate(prompts)])
+        for i, r in enumerate(ref):
+            if not int8:
+                assert greedy_matches(got[f"r{i}"].output_ids, r), i
+            else:
+                assert len(got[f"r{i}"].output_ids) == 8
