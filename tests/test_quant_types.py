@@ -140,11 +140,15 @@ GGUF_TYPE_OF = {"attn_q": "Q4_1", "attn_k": "Q5_1", "attn_v": "IQ4_NL", "attn_ou
                 "ffn_gate": "Q2_K", "ffn_up": "Q3_K", "ffn_down": "IQ4_XS", "token_embd": "Q4_1", "output": "Q5_1"}
 
 
-def test_a_gguf_of_the_new_types_is_served_on_its_blocks(tmp_path, caplog) -> None:
+def test_a_gguf_of_the_new_types_is_served_on_its_blocks(tmp_path, caplog, monkeypatch) -> None:
     """Every new type in one tiny llama GGUF: nothing dequantized at load, every linear multiplies
     by the blocks (exact path: greedy equal to HF on the file's dequantized weights; int8 path: the
     int8 kernels on the same types)."""
     import logging
+
+    # a cache of its own: the model cache, keyed by the file's content, keeps the path it was first
+    # read from, which an earlier run's temporary directory no longer has
+    monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
 
     from lockstep.layers.block_weight import BlockWeight
     from lockstep.model_loader import resolve_model
