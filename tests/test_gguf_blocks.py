@@ -103,19 +103,19 @@ def test_tp2_row_parallel_ranks_compute_tp1s_output_rows_bitwise(int8):
 
 
 def test_a_gguf_with_types_the_kernels_lack_loads_dequantized(tmp_path, monkeypatch, caplog):
-    """Q4_1 / Q5_1 have no block format in lockstep.kernels: dequantized at load, one log line a
-    type, and served greedy equal to HF on the same (dequantized) weights."""
+    """MXFP4 has no block format in lockstep.kernels: dequantized at load, one log line a type
+    (Q4_1 beside it stays in blocks), and served greedy equal to HF on the same (dequantized) weights."""
     monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
 
     def qtype_of(name: str) -> gguf.GGMLQuantizationType:
-        return QTYPE.Q5_1 if "ffn" in name else QTYPE.Q4_1
+        return QTYPE.MXFP4 if "ffn" in name else QTYPE.Q4_1
 
-    path = write_gguf(tiny_hf_model("llama"), "llama", tmp_path / "q41.gguf", qtype_of=qtype_of)
+    path = write_gguf(tiny_hf_model("llama"), "llama", tmp_path / "mxfp4.gguf", qtype_of=qtype_of)
     source = resolve_model(str(path))
     with caplog.at_level(logging.INFO, logger="lockstep.model_loader.weights"):
-        sched = make_scheduler(path, max_total_tokens=2048)
+        sched = make_scheduler(path, max_total_tokens=2048, int8_activations=False)
     lines = [r.message for r in caplog.records if "dequantized to float32 at load" in r.message]
-    assert len(lines) == 2 and "Q4_1" in lines[0] and "Q5_1" in lines[1], lines
+    assert len(lines) == 1 and "MXFP4" in lines[0], lines
     prompts = [[1, 10, 200, 7, 42], [1, 99, 150, 3, 60, 61, 62]]
     ref = hf_greedy(source.model_dir, prompts, 12)
     got = run_to_completion(sched, [greedy_req(f"r{i}", p, 12) for i, p in enumerate(prompts)])

@@ -63,7 +63,7 @@ def test_row_bytes_and_shape_errors() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         row_bytes("Q6_K", 640)
     with pytest.raises(ValueError, match="unsupported GGML block type"):
-        row_bytes("Q3_K", 256)
+        row_bytes("IQ2_XXS", 256)
     with pytest.raises(ValueError, match=r"uint8 \[N, 680\]"):
         dequantize("Q8_0", torch.zeros(2, 672, dtype=torch.uint8), 640)
     with pytest.raises(ValueError, match="no quantizer"):

@@ -11,6 +11,8 @@ from enum import StrEnum
 
 import torch
 
+from lockstep.kernels.block_fields import dequantize_fields, fields
+
 
 class BlockType(StrEnum):
     """A GGML block type the kernels read. Its value is GGML's name (so it compares equal to the
@@ -22,10 +24,17 @@ class BlockType(StrEnum):
     F16 = ("F16", 1, 1, 2)
     BF16 = ("BF16", 30, 1, 2)
     Q4_0 = ("Q4_0", 2, 32, 18)
+    Q4_1 = ("Q4_1", 3, 32, 20)
     Q5_0 = ("Q5_0", 6, 32, 22)
+    Q5_1 = ("Q5_1", 7, 32, 24)
     Q8_0 = ("Q8_0", 8, 32, 34)
+    Q2_K = ("Q2_K", 10, 256, 84)
+    Q3_K = ("Q3_K", 11, 256, 110)
     Q4_K = ("Q4_K", 12, 256, 144)
+    Q5_K = ("Q5_K", 13, 256, 176)
     Q6_K = ("Q6_K", 14, 256, 210)
+    IQ4_NL = ("IQ4_NL", 20, 32, 18)
+    IQ4_XS = ("IQ4_XS", 23, 256, 136)
     Q5_0_U8 = ("Q5_0_U8", 106, 32, 34)  # half d, one byte per 5-bit quant: the same values as Q5_0
     Q4_K_S8 = ("Q4_K_S8", 112, 256, 152)  # float d, dmin, a byte per 6-bit scale and min, Q4_K's nibbles
     Q6_K_U8 = ("Q6_K_U8", 114, 256, 276)  # float d, Q6_K's 16 int8 scales, one byte per 6-bit quant
@@ -68,88 +77,9 @@ def check_blocks(qtype: str, blocks: torch.Tensor, n_cols: int) -> None:
                          f"got {blocks.dtype} {list(blocks.shape)}")
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] uint8 little-endian half -> float32 [...] (exact)."""
-    return b.contiguous().view(torch.float16).squeeze(-1).float()
-
-
-def _f32(b: torch.Tensor) -> torch.Tensor:
-    """[..., 4] uint8 little-endian float32 -> float32 [...] (our unpacked layouts' scales)."""
-    return b.contiguous().view(torch.float32).squeeze(-1)
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., n] bytes -> [..., 2n]: all low nibbles, then all high nibbles (the GGML order)."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-
-
-def _q4_k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """12 packed bytes per block -> eight 6-bit scales and eight 6-bit mins (each [B, 8], int)."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc, mn
-
-
-# a GGUF type and the layout the int8 path unpacks it into (unpack_for_int8) share their arithmetic
-_Q4_K_LAYOUTS, _Q6_K_LAYOUTS = ("Q4_K", "Q4_K_S8"), ("Q6_K", "Q6_K_U8")
-
-
-def _q4_k_fields(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Q4_K or Q4_K_S8 super-blocks [B, bytes] -> d, dmin (float32 [B]), scales, mins (int [B, 8])."""
-    if qtype == "Q4_K":
-        return (_f16(b[:, 0:2]), _f16(b[:, 2:4]), *_q4_k_scale_min(b[:, 4:16]))
-    return _f32(b[:, 0:4]), _f32(b[:, 4:8]), b[:, 8:16], b[:, 16:24]
-
-
-def _q6_k_fields(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q6_K or Q6_K_U8 super-blocks [B, bytes] -> d (float32 [B]), the 16 scales (int8 [B, 16])."""
-    if qtype == "Q6_K":
-        return _f16(b[:, 208:210]), b[:, 192:208].contiguous().view(torch.int8)
-    return _f32(b[:, 0:4]), b[:, 4:20].contiguous().view(torch.int8)
-
-
-def _int_quants(qtype: str, b: torch.Tensor) -> torch.Tensor:
-    """uint8 [B, bytes per block] -> the blocks' integer quants, int32 [B, elements per block]:
-    signed, offset removed, except Q4_K's (unsigned, its mins separate). Shared by dequantize and
-    the int8 path, so both read the same bits."""
-    if qtype == "Q8_0":
-        return b[:, 2:].contiguous().view(torch.int8).to(torch.int32)
-    if qtype == "Q4_0":
-        return _nibbles(b[:, 2:]).to(torch.int32) - 8
-    if qtype == "Q5_0":
-        qh = b[:, 2:6].contiguous().view(torch.int32)  # [B, 1], bit j = high bit of element j
-        hi = (qh >> torch.arange(32, dtype=torch.int32)) & 1
-        return (_nibbles(b[:, 6:]).to(torch.int32) | (hi << 4)) - 16
-    if qtype == "Q5_0_U8":
-        return b[:, 2:].to(torch.int32) - 16
-    if qtype in _Q4_K_LAYOUTS:
-        # 4 chunks of 32 bytes; each gives 32 low nibbles (sub-block 2j) then 32 high (2j+1)
-        return _nibbles(b[:, -128:].reshape(-1, 4, 32)).reshape(-1, 256).to(torch.int32)
-    if qtype == "Q6_K":
-        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
-        low = _nibbles(ql)  # [B, 2, 128]: 32-groups use ql[0:32], ql[32:64] low, then the same high
-        high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)  # [B, 2, 128]
-        return ((low | (high << 4)).to(torch.int32) - 32).reshape(-1, 256)
-    if qtype == "Q6_K_U8":
-        return b[:, 20:].to(torch.int32) - 32
-    raise ValueError(f"no block dequantization for {qtype}")
-
-
 def _dequant_blocks(qtype: str, b: torch.Tensor) -> torch.Tensor:
     """uint8 [B, bytes per block] -> float32 [B, elements per block]."""
-    q = _int_quants(qtype, b).float()  # exact: every quant is a small integer
-    if qtype in _Q4_K_LAYOUTS:
-        d, dmin, sc, mn = _q4_k_fields(qtype, b)
-        d, dmin = d.unsqueeze(-1), dmin.unsqueeze(-1)
-        scale = (d * sc.float()).unsqueeze(-1)  # [B, 8, 1]
-        off = (dmin * mn.float()).unsqueeze(-1)
-        return (scale * q.reshape(-1, 8, 32) - off).reshape(-1, 256)
-    if qtype in _Q6_K_LAYOUTS:
-        d, scales = _q6_k_fields(qtype, b)
-        d, scales = d.unsqueeze(-1), scales.float()
-        return ((d * scales).unsqueeze(-1) * q.reshape(-1, 16, 16)).reshape(-1, 256)
-    return _f16(b[:, 0:2]).unsqueeze(-1) * q  # Q8_0, Q4_0, Q5_0, Q5_0_U8: d * q
+    return dequantize_fields(fields(qtype, b))
 
 
 def dequantize(qtype: str, blocks: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -183,17 +113,16 @@ def unpack_for_int8(qtype: str, blocks: torch.Tensor, n_cols: int) -> tuple[Bloc
         return kind, blocks
     check_blocks(kind, blocks, n_cols)
     b = blocks.contiguous().reshape(-1, kind.nbytes)
+    f = fields(kind, b)
     if kind == "Q5_0":
-        fields = [b[:, 0:2], (_int_quants("Q5_0", b) + 16).to(torch.uint8)]
+        parts = [b[:, 0:2], (f.q + 16).to(torch.uint8)]
     elif kind == "Q4_K":
-        d, dmin, sc, mn = _q4_k_fields("Q4_K", b)
-        fields = [d.reshape(-1, 1).view(torch.uint8), dmin.reshape(-1, 1).view(torch.uint8),
-                  sc.to(torch.uint8), mn.to(torch.uint8), b[:, 16:]]
+        parts = [f.d.reshape(-1, 1).view(torch.uint8), f.dmin.reshape(-1, 1).view(torch.uint8),
+                 f.sc.to(torch.uint8), f.mn.to(torch.uint8), b[:, 16:]]
     else:
-        d, sc = _q6_k_fields("Q6_K", b)
-        fields = [d.reshape(-1, 1).view(torch.uint8), sc.view(torch.uint8),
-                  (_int_quants("Q6_K", b) + 32).to(torch.uint8)]
-    return BlockType(INT8_UNPACKED[kind]), torch.cat(fields, dim=1).reshape(blocks.shape[0], -1)
+        parts = [f.d.reshape(-1, 1).view(torch.uint8), f.sc.to(torch.int8).view(torch.uint8),
+                 (f.q + 32).to(torch.uint8)]
+    return BlockType(INT8_UNPACKED[kind]), torch.cat(parts, dim=1).reshape(blocks.shape[0], -1)
 
 
 def _round_away(v: torch.Tensor) -> torch.Tensor:
@@ -258,7 +187,8 @@ def quantize(qtype: str, weight: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- int8 activations (opt-in)
 # The arithmetic of the compiled int8 path (csrc/int8.h), step for step, so the two give the same bits.
-INT8_QTYPES = ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8", "Q4_K", "Q4_K_S8", "Q6_K", "Q6_K_U8")
+INT8_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_0_U8", "Q2_K", "Q3_K", "Q4_K", "Q4_K_S8", "Q5_K",
+               "Q6_K", "Q6_K_U8", "IQ4_NL", "IQ4_XS")
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,27 +206,6 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(m, k), d
 
 
-def _int8_weight(qtype: str, blocks: torch.Tensor, n_cols: int) -> dict[str, torch.Tensor]:
-    """A weight's integer quants (int32 [N, K]) and per-32-block scales ([N, K/32]) as the int8 path uses
-    them: w = d * q for Q8_0/Q4_0/Q5_0/Q5_0_U8 (q signed, offset removed); Q4_K keeps its unsigned q with the
-    6-bit scale `sc` and min `mn` (as Q4_K_S8); Q6_K's q is signed with two int8 scales per block (`sc` [N, K/32, 2])."""
-    n = blocks.shape[0]
-    b = blocks.contiguous().reshape(-1, GGML_BLOCKS[qtype][1])
-    q = _int_quants(qtype, b).reshape(n, n_cols)
-    if qtype in ("Q8_0", "Q4_0", "Q5_0", "Q5_0_U8"):
-        return {"q": q, "d": _f16(b[:, 0:2]).reshape(n, -1)}
-    if qtype in _Q4_K_LAYOUTS:
-        d, dmin, sc, mn = _q4_k_fields(qtype, b)
-        rep = lambda t: t.unsqueeze(-1).expand(-1, 8).reshape(n, -1)  # noqa: E731  (per super-block -> per group)
-        return {"q": q, "sc": sc.to(torch.int32).reshape(n, -1),
-                "mn": mn.to(torch.int32).reshape(n, -1), "d": rep(d), "dmin": rep(dmin)}
-    # Q6_K, Q6_K_U8 (_int_quants raised for a type with no integer quants)
-    d, sc = _q6_k_fields(qtype, b)
-    sc = sc.to(torch.int32).reshape(n, -1, 2)
-    d = d.unsqueeze(-1).expand(-1, 8).reshape(n, -1)
-    return {"q": q, "sc": sc, "d": d}
-
-
 def _int_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact integer a [M, L] . b [N, L]^T (float64 holds these sums exactly) -> int64 [M, N]."""
     return (a.double() @ b.double().T).to(torch.int64)
@@ -304,27 +213,40 @@ def _int_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def linear_int8_reference(x: torch.Tensor, blocks: torch.Tensor, qtype: str, n_cols: int) -> torch.Tensor:
     """float32 x [M, K] times the blocks with int8 activations: the numbers the compiled path gives
-    (see csrc/int8.h for the arithmetic), float32 [M, N]."""
-    if qtype not in INT8_QTYPES:
+    (csrc/int8.cpp), float32 [M, N]. Per block of 32 and output element, with Fields' integers
+    (one or two integer scales `sc` per 32, i.e. sub-blocks of 32 or 16):
+      isum = sum over the sub-blocks s of sc_s * (x_s . q_s)    (x_s . q_s alone where there is no sc)
+      v = float(isum) * (dx * d)
+        + float(sum x) * (dx * m)                           Q4_1, Q5_1
+        - float(sum over s of mn_s * sum x_s) * (dx * dmin)   K-quants with mins
+      acc += v"""
+    kind = block_type(qtype)
+    if kind not in INT8_QTYPES:
         raise ValueError(f"no int8 path for {qtype}; it serves {list(INT8_QTYPES)}")
-    check_blocks(qtype, blocks, n_cols)
+    check_blocks(kind, blocks, n_cols)
     q, dx = quantize_int8(x)
-    w = _int8_weight(qtype, blocks, n_cols)
-    acc = torch.zeros(x.shape[0], blocks.shape[0])
-    for blk in range(n_cols // 32):
-        cols = slice(32 * blk, 32 * blk + 32)
-        xq, wq = q[:, cols], w["q"][:, cols]
-        s = dx[:, blk : blk + 1] * w["d"][:, blk]
-        if qtype in _Q6_K_LAYOUTS:
-            isum = (_int_dot(xq[:, :16], wq[:, :16]) * w["sc"][:, blk, 0]
-                    + _int_dot(xq[:, 16:], wq[:, 16:]) * w["sc"][:, blk, 1])
-        elif qtype in _Q4_K_LAYOUTS:
-            isum = _int_dot(xq, wq) * w["sc"][:, blk]
-        else:
-            isum = _int_dot(xq, wq)
-        v = isum.float() * s
-        if qtype in _Q4_K_LAYOUTS:
-            mn = xq.to(torch.int64).sum(dim=1, keepdim=True) * w["mn"][:, blk]
-            v = v - mn.float() * (dx[:, blk : blk + 1] * w["dmin"][:, blk])
+    n, groups = blocks.shape[0], n_cols // 32
+    f = fields(kind, blocks.contiguous().reshape(-1, kind.nbytes))
+    per_group = lambda t: t.reshape(n, -1).repeat_interleave(kind.per_block // 32, dim=1)  # noqa: E731
+    d = per_group(f.d)  # [N, groups]
+    subs = max(1, 32 // f.sub)  # integer scales per block of 32
+    wq = f.q.reshape(n, groups, subs, 32 // subs)
+    sc = None if f.sc is None else f.sc.reshape(n, groups, subs)
+    mn = None if f.mn is None else f.mn.reshape(n, groups, subs)
+    acc = torch.zeros(x.shape[0], n)
+    for blk in range(groups):
+        xq = q[:, 32 * blk : 32 * blk + 32].reshape(-1, subs, 32 // subs)
+        isum = torch.zeros(x.shape[0], n, dtype=torch.int64)
+        for s in range(subs):
+            dot = _int_dot(xq[:, s], wq[:, blk, s])
+            isum = isum + (dot if sc is None else dot * sc[:, blk, s])
+        dxb = dx[:, blk : blk + 1]
+        v = isum.float() * (dxb * d[:, blk])
+        xsum = xq.to(torch.int64).sum(dim=-1)  # [M, subs]
+        if f.m is not None:
+            v = v + xsum.sum(dim=1, keepdim=True).float() * (dxb * per_group(f.m)[:, blk])
+        if mn is not None:
+            msum = sum(xsum[:, s : s + 1] * mn[:, blk, s] for s in range(subs))
+            v = v - msum.float() * (dxb * per_group(f.dmin)[:, blk])
         acc = acc + v
     return acc

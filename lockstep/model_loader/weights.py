@@ -3,9 +3,9 @@
 Safetensors files yield float tensors, one at a time, memory-mapped. A GGUF yields its matrices as
 `BlockWeight`s over a memory map of the file itself (the bytes llama.cpp reads, no copy), and its
 vectors (norms, biases) as float32 tensors, with llama.cpp's transforms undone as the tensor index
-says. A block type the kernels' table does not list (weight_plan.readable) is dequantized here, once,
-into float32 rows (GGML's F32 "blocks") that remember the stored type, so the weight plan records the
-fallback; one log line per type."""
+says. A block type the kernels' table does not list (weight_plan.readable; the IQ1-IQ3 types, TQ1_0,
+MXFP4, ...: docs/quant_types.md) is dequantized here, once, into float32 rows (GGML's F32 "blocks")
+that remember the stored type, so the weight plan records the fallback; one log line per type."""
 
 from __future__ import annotations
 

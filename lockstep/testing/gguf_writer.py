@@ -53,12 +53,26 @@ def _llama3_rope_freqs(config) -> np.ndarray:  # type: ignore[no-untyped-def]
     return (plain / scaled.double()).float().numpy()
 
 
+def _blocks(a: np.ndarray, kind: QTYPE, name: str) -> np.ndarray:
+    """`a` in `kind`'s blocks: gguf.quants' own quantizer where it has one (F16, BF16, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q8_0, ...); for the types it only decodes (the K-quants, the IQ types) seeded random
+    blocks with weight-sized scales (lockstep.testing.kernels.random_blocks): such a tensor is not
+    `a`, so the file is a model of its own, and tests compare it with HF on its dequantized weights."""
+    try:
+        return gguf.quants.quantize(a, kind)
+    except NotImplementedError:
+        from lockstep.testing.kernels import random_blocks
+
+        seed = int.from_bytes(name.encode()[-4:], "little")
+        return random_blocks(kind.name, a.shape[0], a.shape[1], seed=seed).numpy()
+
+
 def write_gguf(model: torch.nn.Module, arch: str, path: Path, *, quantize: bool = False,
                chat_template: str | None = None,
                qtype_of: Callable[[str], QTYPE | None] | None = None) -> Path:
     """Write ``model`` (a tiny HF model of ``arch``) to ``path``. quantize: matrices in Q8_0, the
     embedding in F16; qtype_of(gguf name) -> a GGMLQuantizationType (or None: float32) chooses
-    per matrix instead."""
+    per matrix instead (see _blocks for the types gguf.quants cannot quantize)."""
     cfg = model.config
     tokens, merges = _tiny_vocab()
     if cfg.vocab_size != len(tokens):
@@ -113,7 +127,7 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, *, quantize: bool 
         elif qtype_of is not None and a.ndim == 2:
             kind = qtype_of(gname)
         if kind is not None:
-            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
+            w.add_tensor(gname, _blocks(a, kind, gname), raw_dtype=kind)
         else:
             w.add_tensor(gname, a)
     w.write_header_to_file()

@@ -21,7 +21,9 @@ from lockstep.kernels.blocks import INT8_UNPACKED
 UNPACKED_FROM = {v: k for k, v in INT8_UNPACKED.items()}
 
 # where each block type keeps its float16 scales: (offset, count) of 2-byte fields
-HALF_FIELDS = {"Q4_0": (0, 1), "Q5_0": (0, 1), "Q8_0": (0, 1), "Q4_K": (0, 2), "Q6_K": (208, 1)}
+HALF_FIELDS = {"Q4_0": (0, 1), "Q4_1": (0, 2), "Q5_0": (0, 1), "Q5_1": (0, 2), "Q8_0": (0, 1), "Q2_K": (80, 2),
+               "Q3_K": (108, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1), "IQ4_NL": (0, 1),
+               "IQ4_XS": (0, 1)}
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:

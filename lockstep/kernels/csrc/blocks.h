@@ -2,6 +2,7 @@
 // type (32 elements at a time into two V, with the same float32 operations, in the same order, as
 // gguf.quants and lockstep/kernels/blocks.py) and an integer one (I8<T>: the quants and scales the int8
 // path multiplies), and the one switch from a block type's id to its decoder.
+// The types added later are in more_blocks.h (included before the switch).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,8 +15,8 @@ namespace lockstep {
 // Q4_K_S8 and Q6_K_U8 are ours, not GGUF types: layouts the int8 path unpacks at load (blocks.py,
 // unpack_for_int8)
 enum class BlockType : int64_t {
-  F32 = 0, F16 = 1, Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14, BF16 = 30,
-  Q5_0_U8 = 106, Q4_K_S8 = 112, Q6_K_U8 = 114
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+  Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30, Q5_0_U8 = 106, Q4_K_S8 = 112, Q6_K_U8 = 114
 };
 
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead a streamed weight row is fetched
@@ -132,8 +133,9 @@ struct Q4_K {
     alignas(32) float a[8];  // d * sc per group
     alignas(32) float m[8];  // dmin * m per group
   };
-  static void prepare(const uint8_t* row, int64_t sb, Scales& s) {
-    const uint8_t* p = row + 144 * sb;
+  static void prepare(const uint8_t* row, int64_t sb, Scales& s) { prepare_at(row + 144 * sb, s); }
+  // the scales of the super-block at p (Q5_K's start the same way)
+  static void prepare_at(const uint8_t* p, Scales& s) {
     uint32_t A, B, C;  // bytes 0-3: sc low 6 bits (+ top 2 of sc 4-7), 4-7: the same for mins, 8-11: low nibbles
     std::memcpy(&A, p + 4, 4);
     std::memcpy(&B, p + 8, 4);
@@ -250,8 +252,6 @@ struct Q6_K_U8 {
   }
 };
 
-
-
 template <class T>
 void dequant_row(const uint8_t* row, int64_t groups, float* out) {
   typename T::Scales scales;
@@ -265,8 +265,9 @@ void dequant_row(const uint8_t* row, int64_t groups, float* out) {
 }
 // ---------------------------------------------------------------- weights: integer quants per block
 struct WMeta {
-  float d, dmin;   // dmin: Q4_K only
-  int32_t s0, s1;  // Q4_K: scale, min; Q6_K: the two 16-element scales
+  float d, dmin;   // dmin: the types with mins (Q4_K, Q5_K, Q2_K), or Q4_1's and Q5_1's m
+  int16_t s0, s1;  // Q4_K, Q5_K: scale, min; IQ4_XS: scale; Q6_K, Q3_K, Q2_K: the two 16-element scales
+  int16_t m0, m1;  // Q2_K: the two 16-element mins
 };
 
 // the x-side integers a block's value needs, computed once per block of a group
@@ -287,9 +288,11 @@ inline void less_xterms(IV* r, const XSums& xs) {
 // a weight block's scales per lane: every lane the same row's (x rows in lanes), or each its own row's
 struct WScales {
   V d, dmin;
-  IV s0, s1;
+  IV s0, s1, m0, m1;
 };
-inline WScales bcast(const WMeta& mt) { return {vset1(mt.d), vset1(mt.dmin), iset1(mt.s0), iset1(mt.s1)}; }
+inline WScales bcast(const WMeta& mt) {
+  return {vset1(mt.d), vset1(mt.dmin), iset1(mt.s0), iset1(mt.s1), iset1(mt.m0), iset1(mt.m1)};
+}
 
 inline void store32(uint8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
 
@@ -306,7 +309,9 @@ constexpr bool kQ8Signed = true;
 template <int kOff>
 struct I8Simple {
   static constexpr bool kSplit = false;  // one integer sum per block
-  static constexpr bool kIntScales = false;  // WMeta's s0, s1 and dmin unused
+  static constexpr bool kIntScales = false;  // WMeta's s0, s1 unused
+  static constexpr bool kMin = false;        // WMeta's dmin unused
+  static constexpr bool kMins = false;       // WMeta's m0, m1 unused
   static_assert(kOff == 0 || kOff == 8 || kOff == 16 || kOff == 128, "offsets are powers of two");
   static XSums xsums(IV bs0, IV bs1) {
     if constexpr (kOff == 0) {
@@ -373,14 +378,15 @@ struct I8<Q5_0_U8> : I8Simple<16> {
 template <>
 struct I8<Q4_K> {
   static constexpr bool kSplit = false;
-  static constexpr bool kIntScales = true;  // WMeta carries integer scales (and Q4_K's dmin)
+  static constexpr bool kIntScales = true;  // WMeta carries integer scales
+  static constexpr bool kMin = true;        // and dmin
+  static constexpr bool kMins = false;      // the min in s1
   static constexpr bool kSignedW = false;
   static constexpr int kI16Group = 8;  // w <= 15
-  static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
-    const uint8_t* p = row + 144 * (b >> 3);
-    const int j = static_cast<int>(b & 7);
+  // group j's 6-bit scale and min from the super-block at p (Q5_K's are packed the same way)
+  static void scale_min(const uint8_t* p, int j, WMeta& mt) {
     const uint8_t* s = p + 4;
-    int32_t sc, mn;
+    int16_t sc, mn;
     if (j < 4) {
       sc = s[j] & 63;
       mn = s[j + 4] & 63;
@@ -389,6 +395,11 @@ struct I8<Q4_K> {
       mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
     mt = {half_at(p), half_at(p + 2), sc, mn};
+  }
+  static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
+    const uint8_t* p = row + 144 * (b >> 3);
+    const int j = static_cast<int>(b & 7);
+    scale_min(p, j, mt);
     return nibbles(p + 16, j);
   }
   // group j's 32 quants from the nibble chunks at q (the low nibbles of chunk j / 2 for even j)
@@ -418,7 +429,9 @@ struct I8<Q4_K_S8> : I8<Q4_K> {
 template <>
 struct I8<Q6_K> {
   static constexpr bool kSplit = true;  // two integer sums per block: a scale per 16 elements
-  static constexpr bool kIntScales = true;  // WMeta carries integer scales (and Q4_K's dmin)
+  static constexpr bool kIntScales = true;  // WMeta carries integer scales
+  static constexpr bool kMin = false;
+  static constexpr bool kMins = false;
   static constexpr bool kSignedW = false;
   static constexpr int kI16Group = 2;  // w <= 63: 2 x 16002
   static __m256i quants(const uint8_t* row, int64_t b, WMeta& mt) {
@@ -450,17 +463,31 @@ struct I8<Q6_K_U8> : I8<Q6_K> {
 };
 
 
+}  // namespace lockstep
+
+// the other GGUF types (Q4_1, Q5_1, the K-quants but Q4_K and Q6_K, the IQ4 types): their decoders
+#include "more_blocks.h"
+
+namespace lockstep {
+
 template <class F>
 void dispatch(int64_t type, F&& f) {
   switch (static_cast<BlockType>(type)) {
     case BlockType::Q8_0: return f(Q8_0{});
     case BlockType::Q4_0: return f(Q4_0{});
+    case BlockType::Q4_1: return f(Q4_1{});
     case BlockType::Q5_0: return f(Q5_0{});
+    case BlockType::Q5_1: return f(Q5_1{});
     case BlockType::Q5_0_U8: return f(Q5_0_U8{});
+    case BlockType::Q2_K: return f(Q2_K{});
+    case BlockType::Q3_K: return f(Q3_K{});
     case BlockType::Q4_K: return f(Q4_K{});
     case BlockType::Q4_K_S8: return f(Q4_K_S8{});
+    case BlockType::Q5_K: return f(Q5_K{});
     case BlockType::Q6_K: return f(Q6_K{});
     case BlockType::Q6_K_U8: return f(Q6_K_U8{});
+    case BlockType::IQ4_NL: return f(IQ4_NL{});
+    case BlockType::IQ4_XS: return f(IQ4_XS{});
     case BlockType::F16: return f(F16{});
     case BlockType::BF16: return f(BF16{});
     case BlockType::F32: return f(F32{});
@@ -474,12 +501,19 @@ void dispatch_int8(int64_t type, F&& f) {
   switch (static_cast<BlockType>(type)) {
     case BlockType::Q8_0: return f(Q8_0{});
     case BlockType::Q4_0: return f(Q4_0{});
+    case BlockType::Q4_1: return f(Q4_1{});
     case BlockType::Q5_0: return f(Q5_0{});
+    case BlockType::Q5_1: return f(Q5_1{});
     case BlockType::Q5_0_U8: return f(Q5_0_U8{});
+    case BlockType::Q2_K: return f(Q2_K{});
+    case BlockType::Q3_K: return f(Q3_K{});
     case BlockType::Q4_K: return f(Q4_K{});
     case BlockType::Q4_K_S8: return f(Q4_K_S8{});
+    case BlockType::Q5_K: return f(Q5_K{});
     case BlockType::Q6_K: return f(Q6_K{});
     case BlockType::Q6_K_U8: return f(Q6_K_U8{});
+    case BlockType::IQ4_NL: return f(IQ4_NL{});
+    case BlockType::IQ4_XS: return f(IQ4_XS{});
     default: break;
   }
   TORCH_CHECK(false, "lockstep kernels: no int8 kernel for block type id ", type);

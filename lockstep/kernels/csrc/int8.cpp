@@ -5,8 +5,12 @@
 // every output element is accumulated in float32 over the blocks in increasing order:
 //   Q8_0 / Q4_0 / Q5_0: isum = sum (w - offset) * q                 acc += float(isum) * (dx * d)
 //   Q6_K: isum = sc0 * sum_lo16 (w - 32) * q + sc1 * sum_hi16 (...)   acc += float(isum) * (dx * d)
-//   Q4_K: isum = sc * sum w * q,  mn = m * sum q                      acc += float(isum) * (dx * d)
+//   Q4_K, Q5_K: isum = sc * sum w * q,  mn = m * sum q                acc += float(isum) * (dx * d)
 //                                                                           - float(mn) * (dx * dmin)
+//   Q4_1 / Q5_1: isum = sum w * q, s = sum q                          acc += float(isum) * (dx * d)
+//                                                                           + float(s) * (dx * m)
+//   Q3_K as Q6_K (offset 4); Q2_K as Q6_K, less float(m0 * sum_lo16 q + m1 * sum_hi16 q) * (dx * dmin);
+//   IQ4_NL as Q8_0 (its levels the quants); IQ4_XS: isum = sc * sum w * q  acc += float(isum) * (dx * d)
 // Each float operation is one rounding (built with -ffp-contract=off), and the integers are exact, so an
 // element's value depends on nothing but its row of x and row of W: not on M, the other rows, the tile,
 // the thread or the variant. blocks.py's linear_int8_reference computes the same sequence in torch and
@@ -238,7 +242,7 @@ I8_TARGET void int8_panels(const uint8_t* w, int64_t rb, const XInt8& xp, float*
                            int64_t n, int64_t k, int64_t prow, int64_t p0, int64_t p1, int64_t g0, int64_t g1) {
   const int64_t nb = k / 32;
   std::vector<uint8_t> wq(static_cast<size_t>(prow * k), 0);
-  std::vector<WMeta> meta(static_cast<size_t>(prow * nb), WMeta{0.0f, 0.0f, 0, 0});
+  std::vector<WMeta> meta(static_cast<size_t>(prow * nb), WMeta{});
   alignas(64) float yb[kMaxPanelRows * kXLanes] = {};  // a panel's outputs for one group
   const bool stream = m * ldy * static_cast<int64_t>(sizeof(float)) > kStreamOutBytes;
   for (int64_t p = p0; p < p1; ++p) {
@@ -399,7 +403,7 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
   V acc[MR];
   UNROLL for (int i = 0; i < MR; ++i) acc[i] = vzero();
   alignas(64) float md[16], mdmin[16] = {};  // the fields a type does not use stay zero
-  alignas(64) int32_t ms0[16] = {}, ms1[16] = {};
+  alignas(64) int32_t ms0[16] = {}, ms1[16] = {}, mm0[16] = {}, mm1[16] = {};
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t c = 0; c < per_block && pj < 16; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(next[pj] + 64 * pl), _MM_HINT_T0);
@@ -415,7 +419,9 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
         WMeta mt;
         const __m256i q = Q::quants(row[j], b, mt);
         md[j] = mt.d;
-        if constexpr (Q::kIntScales) ms0[j] = mt.s0, ms1[j] = mt.s1, mdmin[j] = mt.dmin;
+        if constexpr (Q::kIntScales) ms0[j] = mt.s0, ms1[j] = mt.s1;
+        if constexpr (Q::kMin) mdmin[j] = mt.dmin;
+        if constexpr (Q::kMins) mm0[j] = mt.m0, mm1[j] = mt.m1;
         UNROLL for (int i = 0; i < MR; ++i) {
           v[i][jj] = tree_leaf<Q>(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + 32 * b)));
         }
@@ -426,7 +432,7 @@ I8_TARGET void rows_tile(const uint8_t* w, int64_t rb, int64_t r0, int64_t n, co
         else sum_lanes8(v[i], sums[i][h][0], sums[i][h][1]);
       }
     }
-    const WScales ws{vload(md), vload(mdmin), iload(ms0), iload(ms1)};
+    const WScales ws{vload(md), vload(mdmin), iload(ms0), iload(ms1), iload(mm0), iload(mm1)};
     UNROLL for (int i = 0; i < MR; ++i) {
       IV r[2];
       if constexpr (kPairs4) {
