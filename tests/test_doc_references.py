@@ -21,9 +21,10 @@ What counts as a reference (anything else in a doc is prose, a field name, a she
   `lockstep serve`'s or `lockstep router`'s flags, or a flag a script in the tree declares
   (`add_argument("--...")`: lockstep bench, benchmarks/*.py), unless it is in OTHER_FLAGS or its
   line names another program (OTHER_PROGRAMS: llama-server, sglang, ...).
-- a link to a section, `docs/x.md#anchor` (in docs and in lockstep's comments and help texts,
-  which point at docs/benchmarks.md's sections instead of quoting figures): the doc must have a
-  heading with that anchor (GitHub's rule: lower case, punctuation dropped, spaces to hyphens).
+- a pointer to a section, `docs/x.md#anchor` or `docs/x.md, "Heading"` (in docs, and in
+  lockstep's comments and help texts, which point at docs/benchmarks.md's sections instead of
+  quoting a run's figures): the doc must have a heading with that anchor (GitHub's rule: lower
+  case, punctuation dropped, spaces to hyphens), or one that starts with that text.
 
 HTTP paths (`/generate`) are not code references and are not checked."""
 
@@ -60,6 +61,7 @@ _CLASS = re.compile(r"^[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+$")
 _CALL = re.compile(r"^([A-Za-z]\w*_\w+)\(.*\)$")
 _FLAG = re.compile(r"^--[a-z]")
 _SECTION = re.compile(r"(docs/[\w-]+\.md|README\.md)#([\w-]+)")
+_SECTION_TITLE = re.compile(r'(docs/[\w-]+\.md|README\.md),? \\?"([^"\\]+)\\?"')
 _MODULE_RUN = re.compile(r"python3? -m (lockstep[\w.]*)")
 
 
@@ -330,14 +332,19 @@ def doc_problems(doc: Path) -> list[str]:
 
 
 @cache
+def headings(doc: str) -> tuple[str, ...]:
+    return tuple(m.group(1).strip() for _n, line, fenced in _lines(ROOT / doc)
+                 if not fenced and (m := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)))
+
+
+@cache
 def anchors(doc: str) -> frozenset[str]:
     out, seen = set(), {}
-    for _n, line, fenced in _lines(ROOT / doc):
-        if not fenced and (m := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)):
-            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
-            k = seen.get(slug, 0)
-            seen[slug] = k + 1
-            out.add(slug if k == 0 else f"{slug}-{k}")
+    for heading in headings(doc):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        k = seen.get(slug, 0)
+        seen[slug] = k + 1
+        out.add(slug if k == 0 else f"{slug}-{k}")
     return frozenset(out)
 
 
@@ -347,6 +354,11 @@ def _section_problems(text: str) -> Iterator[str]:
             yield f"no file {doc}"
         elif anchor not in anchors(doc):
             yield f"{doc} has no section #{anchor}"
+    for doc, title in _SECTION_TITLE.findall(text):
+        if not (ROOT / doc).exists():
+            yield f"no file {doc}"
+        elif not any(h.lower().startswith(title.lower()) for h in headings(doc)):
+            yield f'{doc} has no section "{title}"'
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,8 +377,14 @@ def test_section_links_in_the_code_point_at_headings() -> None:
     problems = [f"{path.relative_to(ROOT)}:{n}: {why}"
                 for path in modules().values()
                 for n, line in enumerate(path.read_text().splitlines(), 1)
-                for why in _section_problems(line)]
+                for why in [*_section_problems(line), *_split_pointer(line)]]
     assert not problems, "\n".join(problems)
+
+
+def _split_pointer(line: str) -> list[str]:
+    if re.search(r'docs/[\w-]+\.md,\s*\\?"?\s*$', line):
+        return ["a section pointer split over lines: keep `docs/x.md, \"Heading\"` on one line"]
+    return []
 
 
 @pytest.mark.parametrize(("span", "stale"), [
@@ -394,6 +412,9 @@ def test_what_counts_as_a_stale_reference(span: str, stale: bool) -> None:
     ("`python benchmarks/kernel_source_ab.py int8 OLD.cpp NEW.cpp`", False),
     ("`python benchmarks/no_such_script.py`", True), ("llama.cpp's kernels", False),
     ("docs/benchmarks.md#overlap-scheduling", False), ("docs/benchmarks.md#no-such-section", True),
+    ('docs/benchmarks.md, "Overlap scheduling"', False), ('help="... (docs/benchmarks.md, \\"Overlap scheduling\\")"', False),
+    ('help="... (docs/benchmarks.md, \\"Overlap schedules\\")"', True),
+    ('docs/benchmarks.md, "No such section"', True), ('docs/nothing.md, "Overlap"', True),
 ])
 def test_what_counts_as_a_stale_path(line: str, stale: bool) -> None:
     assert bool(line_problems(line)) == stale, line_problems(line)
