@@ -44,3 +44,13 @@ def test_the_paths_a_client_relies_on_are_served():
     routed = {(m, r.path) for r in router_server.routes.routes for m in r.methods}
     assert {("POST", "/add_worker"), ("POST", "/remove_worker"), ("GET", "/list_workers"),
             ("POST", "/generate"), ("GET", "/v1/models/{model:path}")} <= routed
+
+
+def test_routes_with_a_body_read_it_as_json_whatever_the_content_type():
+    """`curl -d` declares a form: a route with a JSON body must be a JSONRoute (middleware.py),
+    which the route modules' APIRouter(route_class=JSONRoute) makes them."""
+    from lockstep.entrypoints.middleware import JSONRoute
+
+    with_body = [r for router in ROUTERS for r in router.routes if r.body_field is not None]
+    assert with_body and all(isinstance(r, JSONRoute) for r in with_body), \
+        [r.path for r in with_body if not isinstance(r, JSONRoute)]
