@@ -57,9 +57,12 @@ class ServerArgs:
               "quantized per block of 32 to int8 (llama.cpp's arithmetic) at every batch size, so a "
               "request's numbers still do not depend on its batch. Default: on wherever it applies "
               "(--device cpu, --dtype auto/float32, integer blocks: a GGUF or --quantization "
-              "q8_0/q4_0, a compiled int8 kernel), measured faster for one user and for many; "
-              "--no-int8-activations serves the exact float32 path (agreement with it: "
-              "docs/benchmarks.md).", "model")
+              "q8_0/q4_0, a compiled int8 kernel): integer dots do a block's multiply-adds in "
+              "fewer instructions than dequantizing it to float32 (figures: "
+              "docs/benchmarks.md, \"int8 activations by default\"). --no-int8-activations "
+              "serves the exact float32 path (how closely the two agree: "
+              "docs/benchmarks.md, \"Agreement with float32\").",
+        "model")
     kv_cache_dtype: str = flag(
         "auto", "Type of the K/V cache. auto: float16 where int8 activations are on (llama.cpp's "
                 "KV cache type; half the memory and half the bytes each decode step reads), else "
@@ -114,8 +117,9 @@ class ServerArgs:
     enable_overlap_schedule: bool | None = flag(
         None, "Run the model on a forward thread while the scheduler processes the previous "
               "batch's result and prepares the next one (never with --pp-size > 1). Default: "
-              "on with --device cuda; off on cpu, where the scheduler is <1%% of a step and it "
-              "gained nothing measurable (docs/benchmarks.md).", "scheduling",
+              "on with --device cuda; off on cpu, where the scheduler's work is a sliver of a "
+              "step, so there is little to hide, and the thread competes with the forward for "
+              "the same cores (docs/benchmarks.md, \"Overlap scheduling\").", "scheduling",
         aliases={"--disable-overlap-schedule": False})
     new_token_ratio: float = flag(
         0.7, "Initial estimate of max_new_tokens actually used.", "scheduling")
@@ -131,15 +135,18 @@ class ServerArgs:
     speculative_algorithm: str | None = flag(
         None, "NGRAM: each decoding request drafts its next tokens from n-grams of its own prompt "
               "and output (and of recent requests), and one pass verifies them; the output is "
-              "bitwise the same as without it. NONE: off. Default: NGRAM on cpu, where it measured "
-              "faster for one user and no slower for many (docs/benchmarks.md); off on cuda and "
+              "bitwise the same as without it. NONE: off. Default: NGRAM on cpu, where a step "
+              "costs its weight reads whatever its few rows, so verifying drafted tokens in one "
+              "pass is nearly free, and a request drafts beside others only while its drafts are "
+              "taken whole (docs/benchmarks.md, \"Speculation by default\"); off on cuda and "
               "with --enable-overlap-schedule.",
         "speculative decoding", choices=["NGRAM", "NONE"],
         aliases={"--disable-speculative-decoding": "NONE"})
     speculative_num_draft_tokens: int = flag(
         15, "Most draft tokens one verify pass checks per request (15: a request's verify pass is "
-            "then 16 rows, one group of the CPU int8 kernels, which cost the same for 10 to 16 "
-            "rows; docs/benchmarks.md).", "speculative decoding", min=1)
+            "then 16 rows, one group of lanes of the CPU int8 kernels, whose cost is flat up to "
+            "a full group; docs/benchmarks.md, \"Cheaper few-row int8 dots\").",
+        "speculative decoding", min=1)
     # the windows are narrower than SGLang's 1..12: the drafter's index costs a dict entry per token
     # and window size, and a one-token match drafts mostly noise
     speculative_ngram_min_match_window_size: int = flag(
@@ -153,8 +160,9 @@ class ServerArgs:
     pp_micro_batches: int | None = flag(
         None, "With --pp-size > 1: split each batch by requests into up to this many "
               "micro-batches that the stages work on at once (1: one batch at a time). "
-              "Default: --pp-size on cuda, 1 on cpu, where splitting measured 6-13%% slower "
-              "(docs/benchmarks.md).", "parallelism", min=1)
+              "Default: --pp-size on cuda, 1 on cpu, where a decode step reads every weight "
+              "whatever its rows, so each slice pays that read again "
+              "(docs/benchmarks.md, \"Pipeline micro-batches\").", "parallelism", min=1)
     dp_size: int = flag(1, "Data-parallel replicas.", "parallelism", min=1)
     load_balance_method: str = flag(
         "round_robin", "How the data-parallel controller picks a replica.", "parallelism",
@@ -212,9 +220,10 @@ class ServerArgs:
     @property
     def speculation(self) -> str | None:
         """--speculative-algorithm resolved: NGRAM on a CPU unless asked otherwise (its output is
-        plain decoding's, bit for bit; it measured faster for one user and no slower for many,
-        since only requests whose drafts are taken whole draft in a batch); off on cuda, where
-        the overlap loop is on, and beside an explicit --enable-overlap-schedule."""
+        plain decoding's, bit for bit; a verify pass costs about a plain step's weight reads, and
+        in a batch only requests whose drafts are taken whole draft:
+        docs/benchmarks.md, "Speculation by default"); off on cuda, where the overlap loop is on, and beside an
+        explicit --enable-overlap-schedule."""
         if self.speculative_algorithm is not None:
             return None if self.speculative_algorithm == "NONE" else self.speculative_algorithm
         return "NGRAM" if self.device == "cpu" and not self.enable_overlap_schedule else None

@@ -234,7 +234,8 @@ def test_sglang_router_requests_are_served(http, server):
     """sglang-router sends every SGLang 0.5 field it knows, at its default: all are accepted."""
     gen = generate(http, server, text=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 2},
                    model=None, log_metrics=True, return_hidden_states=False, background=False,
-                   no_logs=False, return_bytes=False, return_entropy=False)
+                   no_logs=False, return_bytes=False, return_entropy=False,
+                   return_flat_raw_top_logprobs=False, return_flat_raw_top_logprobs_b64=False)
     assert len(gen["output_ids"]) == 2
     for path, body in (
             ("/v1/completions", {"prompt": "a", "max_tokens": 2, "return_hidden_states": False}),
@@ -393,6 +394,8 @@ BAD_INPUTS = [
     _case("/generate", {"text": "a", "stream": "yes"}, 400, "stream"),
     _case("/generate", {"text": "a", "return_hidden_states": True}, 400,
           "return_hidden_states: true is not supported by this server"),
+    _case("/generate", {"text": "a", "return_flat_raw_top_logprobs_b64": True}, 400,
+          "return_flat_raw_top_logprobs_b64: true is not supported by this server"),
     _case("/generate", {"text": "a", SP: {"logit_bias": {"999999": 1}}}, 400,
           "logit_bias: token id 999999 is outside the vocabulary"),
     _case("/v1/completions", {"prompt": "a", "logit_bias": {"1": 500}}, 400, "logit_bias.1"),

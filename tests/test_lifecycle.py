@@ -15,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from lockstep.testing.faults import perturb_env
+from lockstep.testing.faults import SCHEDULER_METHOD, installed_marker, perturb_env
 from lockstep.testing.live_server import LiveServer
 from lockstep.utils.process import free_port
 
@@ -148,7 +148,8 @@ def test_lockstep_check_catches_a_perturbed_rank(model_dir, tmp_path, monkeypatc
         monkeypatch.setenv(name, value)
     server = LiveServer("--model-path", model_dir, "--tp-size", "2", "--enable-lockstep-check", "1",
                         log_dir=tmp_path)
-    try:
+    try:  # the fault is in place (else a renamed method would leave the server running)
+        assert installed_marker(SCHEDULER_METHOD) in server.log_text(), server.log_tail()
         texts = [f"perturbed {i} " * (1 + i) for i in range(4)]
         def send(text: str) -> None:
             try:  # the server is expected to die under these requests

@@ -621,7 +621,8 @@ def test_sglang_router_bodies_are_accepted():
     """sglang-router rebuilds each request from its own struct, with these fields at their defaults."""
     GenerateReqInput.model_validate({
         "text": "a", "model": None, "log_metrics": True, "return_hidden_states": False,
-        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False})
+        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False,
+        "return_flat_raw_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False})
     ChatCompletionRequest.model_validate({
         **CHAT, "continue_final_message": False, "separate_reasoning": True,
         "stream_reasoning": True, "return_hidden_states": False})
@@ -634,6 +635,9 @@ def test_sglang_router_bodies_are_accepted():
      "send false"),
     (GenerateReqInput, {"text": "a", "return_hidden_states": 0}, "return_hidden_states: 0 is not"),
     (GenerateReqInput, {"text": "a", "log_metrics": False}, "log_metrics: false is not supported"),
+    (GenerateReqInput, {"text": "a", "return_flat_raw_top_logprobs_b64": True},
+     "return_flat_raw_top_logprobs_b64: true is not supported by this server (no flat raw "
+     "logprobs); omit it or send false"),
     (GenerateReqInput, {"text": "a", "lora_path": "x"}, 'lora_path: "x" is not supported by this '
      "server (no LoRA adapters); omit it"),
     (ChatCompletionRequest, {**CHAT, "continue_final_message": True},

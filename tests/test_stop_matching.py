@@ -21,7 +21,7 @@ from lockstep.detokenizer.detokenizer_manager import DetokenizerManager
 from lockstep.managers.stop_checker import STOP_REGEX_LOOKBACK, StopRegex, stop_checker
 from lockstep.messages import BatchTokenIDOut, ReqOutput
 from lockstep.sampling_params import SamplingParams
-from lockstep.testing.faults import perturb_env
+from lockstep.testing.faults import DETOKENIZER_METHOD, installed_marker, perturb_env
 from lockstep.testing.live_server import LiveServer
 from lockstep.testing.tiers import marks
 from lockstep.testing.tiny_models import make_tiny_model
@@ -316,6 +316,8 @@ def test_a_stuck_detokenizer_is_reported_and_takes_the_server_down(tmp_path, mon
     server = LiveServer("--model-path", str(make_tiny_model("qwen2")), "--max-total-tokens", "4096",
                         "--watchdog-timeout", "3", log_dir=tmp_path, startup_timeout=300)
     try:
+        # the fault is in place (else a renamed method would leave the detokenizer working)
+        assert installed_marker(DETOKENIZER_METHOD) in server.log_text(), server.log_tail()
         body = {"text": "hi", "rid": "stall-1", "sampling_params": {"max_new_tokens": 4}}
         with pytest.raises(requests.RequestException):
             requests.post(server.url + "/generate", json=body, timeout=60)

@@ -67,7 +67,8 @@ GENERATE: Table = {
     **_off("no logprobs of chosen token ids; use top_logprobs_num", "token_ids_logprob"),
     **_off("no sampling masks", "return_sampling_mask", False),
     **_off("logprobs are of the model's own distribution", "sampling_logprobs_mode"),
-    **_off(_FLAT, "return_flat_raw_top_logprobs return_flat_raw_output_top_logprobs", False),
+    **_off(_FLAT, "return_flat_raw_top_logprobs return_flat_raw_output_top_logprobs "
+           "return_flat_raw_top_logprobs_b64", False),  # b64: an encoding of the flat arrays
     **_off("every request is counted in /metrics", "log_metrics", True),
     **_off("no hidden states", "return_hidden_states", False),
     **_off(_EXPERTS, "return_routed_experts", False),

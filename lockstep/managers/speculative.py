@@ -26,12 +26,13 @@ from lockstep.server_args import ServerArgs
 # On a CPU a decode step's cost is its weight reads up to a few rows and its arithmetic beyond: a
 # batch this large is compute-bound, where a draft's rows cost about what plain steps would.
 SPEC_MAX_BATCH = 4
-# Below it a draft row still costs ~10 ms (the int8 head and layers, EPYC AVX2) beside a plain pass
-# of ~15 + 10 * B ms, so in a batch of B a draft pays only if most of it is accepted (~75% at B = 4):
-# 4 requests on random text drafting what one alone would were 16% slower (docs/benchmarks.md).
-# So with company a request drafts only while its drafts are taken whole, and first drafts
-# FIRST_DRAFT_IN_COMPANY tokens to find out (each draft taken whole doubles the next: ngram_drafter):
-# first drafts of 15 still made 4 such users 12% slower.
+# Below it a draft row still costs arithmetic (the int8 head and layers) of the order of a request's
+# share of a plain pass, so in a batch a draft pays only if most of it is accepted: requests on
+# random text drafting what one alone would were slower than plain decoding. So with company a
+# request drafts only while its drafts are taken whole, and first drafts FIRST_DRAFT_IN_COMPANY
+# tokens to find out (each draft taken whole doubles the next: ngram_drafter), since first drafts
+# of the full length still slowed such a batch. The figures: docs/benchmarks.md, "Speculation by
+# default" (a single machine's runs, which every kernel change moves).
 FIRST_DRAFT_IN_COMPANY = 2
 
 

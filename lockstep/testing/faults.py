@@ -6,15 +6,29 @@ process named `process` (e.g. "scheduler-DP0-TP1-PP0") the scheduler then revers
 every batch of two or more requests, so that rank's decisions differ from the others': what the
 lockstep check must catch. With process "detokenizer", the detokenizer instead hangs in the
 first message that carries a request whose rid starts with "stall": what its watchdog must
-catch."""
+catch.
+
+A fault replaces a method by name, so each installation writes `installed_marker(...)` to
+stderr (the server's log) and a test asserts it: a renamed method then fails the test at once,
+naming the method, instead of leaving a fault that never fires and a test that times out."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 PERTURB_ENV = "LOCKSTEP_FAULT_PERTURB_PROCESS"
+SCHEDULER_METHOD = "lockstep.managers.scheduler.Scheduler.form_batch"
+DETOKENIZER_METHOD = "lockstep.detokenizer.detokenizer_manager.DetokenizerManager.handle"
+
+
+def installed_marker(method: str) -> str:
+    """The line a process writes once it has replaced `method` (module.Class.name)."""
+    return f"[lockstep fault] installed: {method}"
 
 
 def perturb_env(directory: Path, process: str) -> dict[str, str]:
@@ -29,34 +43,43 @@ def install() -> None:
     if not target:
         return
     if target == "detokenizer":
-        _stall_detokenizer()
-        return
-    from lockstep.managers.scheduler import Scheduler
+        _replace(DETOKENIZER_METHOD, _stalling)
+    else:
+        _replace(SCHEDULER_METHOD, lambda form_batch: _perturbing(form_batch, target))
 
-    form_batch = Scheduler.form_batch
 
-    def perturbed(self: Scheduler):  # type: ignore[no-untyped-def]
+def _replace(method: str, wrap: Callable[[Any], Any]) -> None:
+    """Replace `method` (module.Class.name) by `wrap(original)`, and say so on stderr."""
+    import importlib
+
+    module_name, class_name, name = method.rsplit(".", 2)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    original = cls.__dict__.get(name)
+    if original is None:  # site.py prints this one line and the process goes on, fault-free
+        raise AttributeError(f"lockstep.testing.faults: {method} does not exist; the fault "
+                             "replaces it by name, so update the fault to the method's new name")
+    setattr(cls, name, wrap(original))
+    sys.stderr.write(f"{installed_marker(method)} (pid {os.getpid()})\n")
+    sys.stderr.flush()
+
+
+def _perturbing(form_batch: Callable[[Any], Any], target: str) -> Callable[[Any], Any]:
+    def perturbed(self: Any) -> Any:
         batch = form_batch(self)
         # A spawned child learns its name after start-up, so it is checked here.
         if batch is not None and len(batch.reqs) > 1 and mp.current_process().name == target:
             batch.reqs.reverse()
             batch.samples.reverse()
         return batch
+    return perturbed
 
-    Scheduler.form_batch = perturbed  # type: ignore[method-assign]
 
-
-def _stall_detokenizer() -> None:
+def _stalling(handle: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     import time
 
-    from lockstep.detokenizer.detokenizer_manager import DetokenizerManager
-
-    handle = DetokenizerManager.handle
-
-    def stalling(self: DetokenizerManager, batch):  # type: ignore[no-untyped-def]
+    def stalling(self: Any, batch: Any) -> Any:
         if any(o.rid.startswith("stall") for o in batch.outputs):
             while True:  # a message that never finishes, as the backtracking stop_regex did
                 time.sleep(1)
         return handle(self, batch)
-
-    DetokenizerManager.handle = stalling  # type: ignore[method-assign]
+    return stalling

@@ -41,8 +41,8 @@ KEEP_FREED_BYTES = 256 << 20
 
 def keep_freed_memory() -> bool:
     """glibc gives an allocation of 32 MiB or more (its mmap threshold's cap) a fresh mapping and unmaps it
-    on free, so every batch-32 decode step's 32 MiB of vocabulary logits came in as 8,192 new zeroed pages
-    (such a tensor, filled on one thread: 15.6 ms fresh against 2.4 ms reused; docs/benchmarks.md). With mmap off for malloc
+    on free, so every batch-32 decode step's 32 MiB of vocabulary logits came in as 8,192 new zeroed pages,
+    each a page fault and a zeroing the reused memory does not pay (docs/benchmarks.md, "Zen 4, night"). With mmap off for malloc
     and up to KEEP_FREED_BYTES of freed heap kept, the next step reuses the same memory. For a process that
     runs a model on the CPU; False where the C library has no mallopt (not glibc)."""
     try:
