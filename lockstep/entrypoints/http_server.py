@@ -19,6 +19,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from lockstep import __version__
 from lockstep.core import SamplingParams
+from lockstep.entrypoints import chat_page
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
 from lockstep.entrypoints.fanout import (
@@ -113,6 +114,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     app.router.route_class = JSONRoute
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body=args.max_request_body_bytes, status=status)
+    app.include_router(chat_page.router)  # GET /: the chat page
     app.state.launched = launched
     app.state.metrics = metrics
     app.state.status = status

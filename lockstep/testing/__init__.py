@@ -14,7 +14,7 @@
                   guard that fails an unmarked test which starts processes
 
 Fixtures (tests/conftest.py): `model_dir` (tiny llama), `tiny_model_dirs` (every tiny arch),
-`llama_server` (the tiny llama behind --api-key, one per session), `real_server` (the default
-model, one per session), `engine` (an offline Engine on the tiny llama), `default_gguf`,
-`passive_openmp_threads`.
+`llama_server` (the tiny llama behind --api-key, one per session), `real_server` (Gemma 3 270M,
+named, one per session), `default_server` (no --model-path: the default model), `engine` (an offline
+Engine on the tiny llama), `gemma_gguf`, `passive_openmp_threads`.
 """
