@@ -8,10 +8,10 @@ import dataclasses
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from lockstep.cli import main, serve_parser
 from lockstep.model_loader import ModelLoadError, resolve_model

@@ -19,6 +19,7 @@ _FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/static/chat.js": ("chat.js", "text/javascript; charset=utf-8"),
     "/static/chat.css": ("chat.css", "text/css; charset=utf-8"),
+    "/static/favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 PAGE_PATHS = frozenset(_FILES)
 # Everything the page loads comes from this server: a page edited to pull from a CDN fails here,
