@@ -62,7 +62,7 @@ async def _reply_lengths_until_done(page: Page, timeout: float = 240) -> list[in
 
 async def _chat_on_the_default_model(page: Page, server: LiveServer) -> None:
     await page.goto(server.url + "/")
-    assert await page.wait_for("document.getElementById('model').textContent") == DEFAULT_MODEL
+    await page.wait_for(f"document.getElementById('model').textContent === {json.dumps(DEFAULT_MODEL)}")
 
     # A long reply, stopped midway: the page says so, and the server aborts the request.
     await page.type("#system", "You are a storyteller who writes long, detailed stories.")

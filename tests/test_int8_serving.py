@@ -30,8 +30,8 @@ def int8_parts(model) -> list[BlockWeight]:
 @pytest.mark.real_model
 @pytest.mark.skipif(not compiled("linear_int8"), reason="the default runs int8 activations where the int8 "
                     "kernel is compiled; this machine serves the exact path on the torch reference")
-def test_default_model_is_int8_batch_invariant_and_near_float32() -> None:
-    """Default flags on the default GGUF (Q8_0 head, Q5_0 / Q4_K / Q6_K linears): every block matmul
+def test_gemma_is_int8_batch_invariant_and_near_float32() -> None:
+    """Default flags on Gemma 3 270M's GGUF (Q8_0 head, Q5_0 / Q4_K / Q6_K linears): every block matmul
     on int8 activations; a request alone gives the same ids and logprobs, bitwise, as inside a batch
     of 32 of mixed lengths; and first greedy tokens mostly agree with the exact float32 path's."""
     import random

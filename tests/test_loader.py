@@ -3,7 +3,7 @@ error reporting.
 
 Tiny GGUFs are written (lockstep.testing.gguf_writer) from the tiny random HF models with
 llama.cpp's own transforms and tensor names, so loading them back (blocks dequantized) must
-reproduce the HF weights. The real default model is checked
+reproduce the HF weights. Gemma 3 270M (packaged) is checked
 against transformers' `from_pretrained(gguf_file=...)`.
 """
 

@@ -1,4 +1,4 @@
-"""Structured output on the real default model (Gemma 3 270M, a base model: the constraint, not
+"""Structured output on Gemma 3 270M (named; a base model: the constraint, not
 the model, must produce the shape): regex, json_schema and ebnf sampling params, stop_regex,
 bad constraints, and constrained requests next to unconstrained ones.
 
