@@ -10,6 +10,8 @@
 - kernels.py      compiled kernel variants as pytest params, `random_blocks`, batch invariance
 - oracle.py, hf_weights.py  HF transformers as the correctness oracle on the same weights
 - faults.py       faults injected into a live server's processes
+- browser.py      a real headless Chromium (Debian's package, installed on first use) driven
+                  over the DevTools protocol: the chat page's test
 - tiers.py        the markers (`server`, `real_model`, `soak`), `marks` for fixtures, and the
                   guard that fails an unmarked test which starts processes
 
