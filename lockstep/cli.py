@@ -1,5 +1,5 @@
-"""The `lockstep` command: `lockstep serve [server args]`, `lockstep bench NAME [args]`,
-`lockstep router [router args]`."""
+"""The `lockstep` command: `lockstep serve [server args]`, `lockstep models`,
+`lockstep bench NAME [args]`, `lockstep router [router args]`."""
 
 from __future__ import annotations
 
@@ -9,16 +9,20 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
+from lockstep.model_loader.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from lockstep.server_args import ServerArgs
 from lockstep.utils.flags import from_flags
 
 DESCRIPTION = "lockstep: an SGLang-compatible LLM serving runtime (peer schedulers in lockstep)."
-SERVE_DESCRIPTION = """\
-Start the HTTP server: SGLang's native API (/generate) and OpenAI's (/v1/completions,
-/v1/chat/completions, /v1/models), plus /health, /metrics and the control routes.
-With no flags it serves the bundled Gemma 3 270M on http://127.0.0.1:30000."""
+SERVE_DESCRIPTION = f"""\
+Start the HTTP server: a chat page at /, SGLang's native API (/generate) and OpenAI's
+(/v1/completions, /v1/chat/completions, /v1/models), plus /health, /metrics and the control
+routes. With no flags it serves the packaged {DEFAULT_MODEL} on http://127.0.0.1:30000;
+--model-path takes a GGUF file, an HF directory or a packaged model's short name
+({", ".join(PACKAGED_MODELS)}: `lockstep models` lists them)."""
 SERVE_EPILOG = """examples:
   lockstep serve
+  lockstep serve --model-path gemma-3-270m
   lockstep serve --model-path ~/models/Qwen2.5-0.5B-Instruct --port 8000
   lockstep serve --tp-size 2 --max-total-tokens 65536 --api-key sk-local
   curl http://127.0.0.1:30000/generate -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 16}}'"""
@@ -38,6 +42,20 @@ def run_serve(argv: Sequence[str], prog: str = "lockstep serve") -> None:
     from lockstep.entrypoints.serve import launch_server
 
     launch_server(args)
+
+
+def list_models() -> str:
+    """`lockstep models`: the packaged models, whether each is installed, and how to install it."""
+    rows = [("NAME", "KIND", "LICENCE", "INSTALLED"), *(
+        (m.name + (" (default)" if m.name == DEFAULT_MODEL else ""), m.kind, m.licence,
+         "yes" if m.installed() else f"no: {m.install_command}")
+        for m in PACKAGED_MODELS.values())]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3] for r in rows]
+    lines += ["", *(f"{m.name}: {m.about} (wheel {m.requirement})" for m in PACKAGED_MODELS.values()),
+              "", "Serve one with `lockstep serve --model-path NAME`; any GGUF file or HF "
+              "directory works as --model-path too."]
+    return "\n".join(lines)
 
 
 def _benchmarks() -> list[str]:
@@ -70,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"lockstep {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     benches = ", ".join(_benchmarks())
-    for name, what in (("serve", "start the HTTP server (SGLang and OpenAI APIs)"),
+    for name, what in (("serve", "start the HTTP server (chat page, SGLang and OpenAI APIs)"),
+                       ("models", f"list the packaged models ({', '.join(PACKAGED_MODELS)})"),
                        ("bench", f"run a benchmark: lockstep bench NAME [ARGS] ({benches})"),
                        ("router", "route requests across several servers (same HTTP API)")):
         sub.add_parser(name, help=what, add_help=False)
@@ -81,6 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "serve":
         run_serve(rest)
+        return 0
+    if command == "models":
+        if rest and rest[0] not in ("-h", "--help"):
+            print(f"lockstep models: takes no arguments (got {rest[0]!r})", file=sys.stderr)
+            return 2
+        print(list_models())
         return 0
     if command == "router":
         from lockstep.router.server import main as router_main

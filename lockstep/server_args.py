@@ -16,6 +16,7 @@ from lockstep.layers.quantization import (
     int8_activation_problems,
     quantization_problems,
 )
+from lockstep.model_loader.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from lockstep.utils.flags import add_flags, below_min, flag
 from lockstep.utils.process import free_port
 
@@ -29,7 +30,8 @@ class ServerArgs:
     lockstep.utils.flags); /get_server_info hides the secret ones."""
 
     model_path: str | None = flag(
-        None, "GGUF file or HF directory; default: Gemma 3 270M (bundled).", "model")
+        DEFAULT_MODEL, "GGUF file, HF directory, or a packaged model's short name: "
+        f"{', '.join(PACKAGED_MODELS)} (`lockstep models` says more).", "model")
     tokenizer_path: str | None = flag(None, "Defaults to the model's own.", "model")
     served_model_name: str | None = flag(None, "Name in /v1/models.", "model")
     chat_template: str | None = flag(
@@ -180,6 +182,8 @@ class ServerArgs:
         None, "HOST:PORT of node 0 for torch.distributed.", "parallelism")
 
     def __post_init__(self) -> None:
+        if self.model_path is None:  # Engine(model_path=None): the default, by its name
+            object.__setattr__(self, "model_path", DEFAULT_MODEL)
         problems = below_min(self)
         if self.node_rank >= self.nnodes or self.node_rank < 0:
             problems.append("--node-rank must be in [0, nnodes)")

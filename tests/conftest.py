@@ -57,16 +57,26 @@ def passive_openmp_threads() -> Iterator[None]:
 @pytest.fixture(scope="session")
 @marks("server", "real_model")
 def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """One server of the default model for the whole session (it is slow to load)."""
+    """One server of Gemma 3 270M (named: the tests on it know its outputs) for the whole session
+    (it is slow to load)."""
     with real_model_server(tmp_path_factory.mktemp("real-server")) as server:
         yield server  # type: ignore[misc]
 
 
 @pytest.fixture(scope="session")
+@marks("server", "real_model")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server started as a new user starts one: no --model-path (the default model), no key."""
+    srv = LiveServer("--max-total-tokens", "8192", log_dir=tmp_path_factory.mktemp("default-server"))
+    yield srv
+    srv.stop_cleanly()
+
+
+@pytest.fixture(scope="session")
 @marks("real_model")
-def default_gguf() -> Any:
-    """The default model's GGUF (a gguf.GGUFReader): its real blocks, for the kernel tests."""
-    return kernels.default_gguf()
+def gemma_gguf() -> Any:
+    """Gemma 3 270M's GGUF (a gguf.GGUFReader): its real blocks, for the kernel tests."""
+    return kernels.gemma_gguf()
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ def test_tuple_without_items_is_closed(admits):
 
 
 # ---------------------------------------------------------------------------------------------
-# A live server on the real default model
+# A live server on Gemma 3 270M (named, not the default)
 
 
 @pytest.fixture(scope="module")

@@ -80,11 +80,12 @@ def test_an_incomplete_trailing_char_is_never_released():
 
 @pytest.fixture(scope="module")
 def gemma_tokenizer():
-    """The default model's tokenizer as lockstep converts it (test_loader holds it equal to
+    """Gemma 3 270M's tokenizer as lockstep converts it (test_loader holds it equal to
     transformers' own reading of the GGUF, which takes ~40 s to build)."""
-    from lockstep.testing.inproc import default_tokenizer
+    from lockstep.testing.inproc import packaged_tokenizer
+    from lockstep.testing.live_server import GEMMA
 
-    return default_tokenizer()
+    return packaged_tokenizer(GEMMA)
 
 
 def _random_ids(rng: random.Random, tokenizer, n: int) -> list[int]:

@@ -195,17 +195,17 @@ def test_variants_agree_bitwise() -> None:
 
 
 @pytest.mark.parametrize("variant", int8_variant_params())
-def test_default_gguf_weights_head_and_a_layer(variant: str, default_gguf) -> None:
-    """The default model's own blocks: the tied 262k Q8_0 head alone vs in a batch, and its Q4_K / Q6_K / Q5_0
+def test_gemma_gguf_weights_head_and_a_layer(variant: str, gemma_gguf) -> None:
+    """Gemma 3 270M's own blocks: the tied 262k Q8_0 head alone vs in a batch, and its Q4_K / Q6_K / Q5_0
     linears against the reference."""
     mod = compiled(variant)
-    tensors = {t.name: t for t in default_gguf.tensors}
+    tensors = {t.name: t for t in gemma_gguf.tensors}
     head = torch.from_numpy(np.array(tensors["token_embd.weight"].data))
     x = activations(3, 640, seed=12)
     y = mod.linear_int8(x, head, "Q8_0", 640)
     assert y.shape == (3, 262144) and torch.equal(mod.linear_int8(x[1:2].contiguous(), head, "Q8_0", 640)[0], y[1])
     assert torch.equal(y[:, :4096], linear_int8_reference(x, head[:4096], "Q8_0", 640))
-    for t in default_gguf.tensors:
+    for t in gemma_gguf.tensors:
         qtype = t.tensor_type.name
         if t.name.startswith("blk.0.") and qtype in INT8_QTYPES:
             k = int(t.shape[0])

@@ -13,6 +13,7 @@ from lockstep.layers.linear import ColumnParallelLinear, RowParallelLinear
 from lockstep.server_args import ServerArgs
 from lockstep.testing.gguf_writer import write_gguf
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
+from lockstep.testing.live_server import GEMMA
 from lockstep.testing.tiny_models import tiny_hf_model, tiny_prompts
 
 
@@ -29,8 +30,8 @@ def int8_parts(model) -> list[BlockWeight]:
 @pytest.mark.real_model
 @pytest.mark.skipif(not compiled("linear_int8"), reason="the default runs int8 activations where the int8 "
                     "kernel is compiled; this machine serves the exact path on the torch reference")
-def test_default_model_is_int8_batch_invariant_and_near_float32() -> None:
-    """Default flags on the default GGUF (Q8_0 head, Q5_0 / Q4_K / Q6_K linears): every block matmul
+def test_gemma_is_int8_batch_invariant_and_near_float32() -> None:
+    """Default flags on Gemma 3 270M's GGUF (Q8_0 head, Q5_0 / Q4_K / Q6_K linears): every block matmul
     on int8 activations; a request alone gives the same ids and logprobs, bitwise, as inside a batch
     of 32 of mixed lengths; and first greedy tokens mostly agree with the exact float32 path's."""
     import random
@@ -38,13 +39,13 @@ def test_default_model_is_int8_batch_invariant_and_near_float32() -> None:
     import torch
 
     from lockstep.testing.corpus import random_prompt
-    from lockstep.testing.inproc import default_tokenizer
+    from lockstep.testing.inproc import packaged_tokenizer
 
     rng = random.Random(4)
-    prompts = [default_tokenizer()(random_prompt(rng, rng.randint(2, 60))).input_ids for _ in range(32)]
+    prompts = [packaged_tokenizer(GEMMA)(random_prompt(rng, rng.randint(2, 60))).input_ids for _ in range(32)]
     # No prefix cache: a cached prefix is attended by another code path whose float32 sums differ
     # in the last ulp from a full prefill's (on the exact path too); int8 rounding can magnify that.
-    sched = make_scheduler(None, max_total_tokens=8192, disable_radix_cache=True, chunked_prefill_size=-1)
+    sched = make_scheduler(GEMMA, max_total_tokens=8192, disable_radix_cache=True, chunked_prefill_size=-1)
     parts = int8_parts(sched.worker.runner.model)
     # the GGUF's Q8_0 / Q5_0 / Q4_K / Q6_K, as the int8 path serves them (kernels.unpack_for_int8)
     assert {p.qtype for p in parts} == {"Q8_0", "Q5_0_U8", "Q4_K_S8", "Q6_K_U8"}
@@ -60,7 +61,7 @@ def test_default_model_is_int8_batch_invariant_and_near_float32() -> None:
         alone = run(sched, [i], "a")[f"a{i}"]
         assert alone.output_ids == batched[f"b{i}"].output_ids, i
         assert alone.logprobs == batched[f"b{i}"].logprobs, i  # bitwise: same floats
-    exact = run(make_scheduler(None, max_total_tokens=4096, disable_radix_cache=True, int8_activations=False),
+    exact = run(make_scheduler(GEMMA, max_total_tokens=4096, disable_radix_cache=True, int8_activations=False),
                 list(range(12)), "e")
     same_first = sum(exact[f"e{i}"].output_ids[0] == batched[f"b{i}"].output_ids[0] for i in range(12))
     assert same_first >= 10

@@ -78,8 +78,8 @@ def gguf_tensors_by_type(reader) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_dequantize_matches_gguf_on_the_default_model(qtype: str, default_gguf) -> None:
-    tensors = gguf_tensors_by_type(default_gguf)[qtype]
+def test_dequantize_matches_gguf_on_gemma(qtype: str, gemma_gguf) -> None:
+    tensors = gguf_tensors_by_type(gemma_gguf)[qtype]
     for t in (tensors[0], tensors[-1]):
         rows = torch.from_numpy(np.array(t.data[:96]))
         n_cols = int(t.shape[0])
@@ -172,9 +172,9 @@ def test_variants_agree_bitwise() -> None:
 
 
 @pytest.mark.parametrize("variant", variant_params())
-def test_default_gguf_head_262k(variant: str, default_gguf) -> None:
-    """The tied 262144 x 640 Q8_0 head of the default model, at batch 1 and as a row of a batch."""
-    t = next(t for t in default_gguf.tensors if t.name == "token_embd.weight")
+def test_gemma_gguf_head_262k(variant: str, gemma_gguf) -> None:
+    """The tied 262144 x 640 Q8_0 head of Gemma 3 270M, at batch 1 and as a row of a batch."""
+    t = next(t for t in gemma_gguf.tensors if t.name == "token_embd.weight")
     head = torch.from_numpy(np.array(t.data))
     mod = compiled(variant)
     x = torch.randn(3, 640)

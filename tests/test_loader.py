@@ -3,7 +3,7 @@ error reporting.
 
 Tiny GGUFs are written (lockstep.testing.gguf_writer) from the tiny random HF models with
 llama.cpp's own transforms and tensor names, so loading them back (blocks dequantized) must
-reproduce the HF weights. The real default model is checked
+reproduce the HF weights. Gemma 3 270M (packaged) is checked
 against transformers' `from_pretrained(gguf_file=...)`.
 """
 
@@ -35,6 +35,7 @@ from lockstep.model_loader.layout import TENSOR_INDEX
 from lockstep.model_loader.source import CONVERSION_MARKER
 from lockstep.testing.gguf_writer import GGUF_ARCH, write_gguf
 from lockstep.testing.hf_weights import float_state_dict, hf_float_model
+from lockstep.testing.live_server import GEMMA
 from lockstep.testing.oracle import gguf_parsed_once, transformers_gguf_tokenizer
 from lockstep.testing.tiny_models import tiny_hf_model
 
@@ -348,7 +349,7 @@ def test_valid_hf_dir(tiny_llama_dir, tmp_path):
     assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
 
 
-# --------------------------------------------------------------------------- the default model
+# --------------------------------------------------------------------------- Gemma 3 270M (packaged)
 
 PROMPTS = [
     "Hello, world!",
@@ -359,14 +360,14 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def default_source() -> ModelSource:
-    return resolve_model(None)  # the real cache dir: converted once, reused by later runs
+def gemma_source() -> ModelSource:
+    return resolve_model(GEMMA)  # the real cache dir: converted once, reused by later runs
 
 
 @pytest.fixture(scope="module")
-def oracle(default_source):
+def oracle(gemma_source):
     """transformers' own GGUF path on the same file: the model and the tokenizer."""
-    gguf_path = Path(default_source.origin)
+    gguf_path = Path(gemma_source.origin)
     with gguf_parsed_once():  # the model and the tokenizer parse the GGUF once between them
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
@@ -377,8 +378,8 @@ def oracle(default_source):
 
 
 @pytest.mark.real_model
-def test_default_config(default_source):
-    cfg = default_source.hf_config
+def test_gemma_config(gemma_source):
+    cfg = gemma_source.hf_config
     assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["model_type"] == "gemma3_text"
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["head_dim"]) == (18, 640, 256)
     assert cfg["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 3
@@ -388,15 +389,15 @@ def test_default_config(default_source):
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
     }
     assert cfg["rms_norm_eps"] == 1e-6 and cfg["tie_word_embeddings"] is True
-    assert default_source.chat_template is None
-    assert default_source.gguf_file == Path(default_source.origin)
+    assert gemma_source.chat_template is None
+    assert gemma_source.gguf_file == Path(gemma_source.origin)
 
 
 @pytest.mark.real_model
-def test_default_tensors_match_transformers_gguf(default_source, oracle):
+def test_gemma_tensors_match_transformers_gguf(gemma_source, oracle):
     expected = oracle[0].state_dict()
     seen = set()
-    for name, weight in iter_weights(default_source):
+    for name, weight in iter_weights(gemma_source):
         tensor = weight.dequantize() if isinstance(weight, BlockWeight) else weight
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor, expected[name]), name
@@ -406,28 +407,28 @@ def test_default_tensors_match_transformers_gguf(default_source, oracle):
 
 
 @pytest.mark.real_model
-def test_default_tokenizer_matches_transformers_gguf(default_source, oracle):
-    tok = AutoTokenizer.from_pretrained(str(default_source.model_dir))
+def test_gemma_tokenizer_matches_transformers_gguf(gemma_source, oracle):
+    tok = AutoTokenizer.from_pretrained(str(gemma_source.model_dir))
     for text in PROMPTS:
         assert tok(text).input_ids == oracle[1](text).input_ids, text
     assert tok.convert_tokens_to_ids("<start_of_turn>") == 105  # one special token, not pieces
 
 
 @pytest.mark.real_model
-def test_default_cached_resolve_is_fast(default_source, caplog):
+def test_gemma_cached_resolve_is_fast(gemma_source, caplog):
     with caplog.at_level(logging.INFO, logger=SOURCE_LOGGER):
         start = time.perf_counter()
-        again = resolve_model(None)
+        again = resolve_model(GEMMA)
         elapsed = time.perf_counter() - start
     assert "loaded from cache in" in caplog.text
-    assert again == default_source
+    assert again == gemma_source
     assert elapsed < 5.0, elapsed
 
 
 @pytest.mark.real_model
-def test_truncated_default_gguf(default_source, tmp_path):
+def test_truncated_gemma_gguf(gemma_source, tmp_path):
     cut = tmp_path / "gemma-cut.gguf"
-    with open(default_source.origin, "rb") as fh:
+    with open(gemma_source.origin, "rb") as fh:
         cut.write_bytes(fh.read(1 << 20))  # cut inside the vocabulary metadata
     assert_load_error(cut, "truncated or corrupt GGUF", cache_dir=tmp_path / "cache")
 
@@ -452,8 +453,8 @@ def test_end_of_turn_ids_read_from_tokenizer_json_match_the_tokenizer(tiny_model
 
 
 @pytest.mark.real_model
-def test_default_end_of_turn_id(default_source):
+def test_gemma_end_of_turn_id(gemma_source):
     from lockstep.model_loader.stop_tokens import END_OF_TURN_TOKENS, _token_ids
 
-    assert _token_ids(default_source.model_dir / "tokenizer.json", END_OF_TURN_TOKENS) == {
+    assert _token_ids(gemma_source.model_dir / "tokenizer.json", END_OF_TURN_TOKENS) == {
         "<end_of_turn>": 106}

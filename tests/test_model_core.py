@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
+from lockstep.testing.live_server import GEMMA
 from lockstep.testing.oracle import hf_greedy, hf_prompt_logprobs
 from lockstep.testing.tiny_models import TINY_ARCHS, tiny_prompts
 
@@ -79,7 +80,7 @@ def real_model():
 
     from lockstep.model_loader import resolve_model
 
-    source = resolve_model(None)
+    source = resolve_model(GEMMA)
     tok = AutoTokenizer.from_pretrained(source.model_dir)
     return source.model_dir, [tok(p).input_ids for p in REAL_PROMPTS]
 
@@ -88,7 +89,7 @@ def real_model():
 def test_real_gemma3_270m_matches_hf(real_model):
     model_dir, prompts = real_model
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
-    sched = make_scheduler(None, max_total_tokens=4096, int8_activations=False)  # float32 path
+    sched = make_scheduler(GEMMA, max_total_tokens=4096, int8_activations=False)  # float32 path
     got = run_to_completion(sched, [greedy_req(f"r{i}", p, MAX_NEW, return_logprob=True)
                                     for i, p in enumerate(prompts)])
     for i, r in enumerate(ref):

@@ -1,4 +1,4 @@
-"""The official `openai` client against a live server on the real default model (Gemma 3 270M).
+"""The official `openai` client against a live server on Gemma 3 270M (named, not the default).
 
 Generations are kept to a few tokens: on a small CPU every token of the real model costs."""
 

@@ -11,13 +11,19 @@ from typing import Any
 import pytest
 
 from lockstep.testing.corpus import random_prompt
-from lockstep.testing.inproc import default_tokenizer, greedy_req, make_scheduler, run_to_completion
+from lockstep.testing.inproc import (
+    greedy_req,
+    make_scheduler,
+    packaged_tokenizer,
+    run_to_completion,
+)
+from lockstep.testing.live_server import GEMMA
 
 pytestmark = pytest.mark.real_model
 
 
 def _prompts(n: int) -> list[list[int]]:
-    tok = default_tokenizer()
+    tok = packaged_tokenizer(GEMMA)
     rng = random.Random(7)
     return [tok(random_prompt(rng, rng.randint(40, 70))).input_ids for _ in range(n)]
 
@@ -26,8 +32,8 @@ def _prompts(n: int) -> list[list[int]]:
 def schedulers() -> tuple[Any, Any]:
     """(no radix cache, radix cache): shared by the greedy and the seeded case; the second's tree
     is emptied before each case, so each starts from a fresh scheduler's state."""
-    return (make_scheduler(None, max_total_tokens=4096, disable_radix_cache=True),
-            make_scheduler(None, max_total_tokens=4096))
+    return (make_scheduler(GEMMA, max_total_tokens=4096, disable_radix_cache=True),
+            make_scheduler(GEMMA, max_total_tokens=4096))
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])

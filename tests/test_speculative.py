@@ -16,6 +16,7 @@ from lockstep.core import FINISH_MATCHED_STR
 from lockstep.entrypoints.engine import launch_subprocesses
 from lockstep.server_args import ServerArgs
 from lockstep.testing.inproc import generate_through, greedy_req, make_scheduler, run_to_completion
+from lockstep.testing.live_server import GEMMA
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 1}
 OFF = {"speculative_algorithm": "NONE"}
@@ -207,9 +208,9 @@ def test_features_behave_as_without_speculation(case: str, pairs) -> None:
 
 @pytest.fixture(scope="module")
 def real_pair() -> tuple[Any, Any]:
-    """The default model's pair, speculation off and on, shared by the greedy and seeded case."""
-    return (make_scheduler(None, max_total_tokens=4096, **OFF),
-            make_scheduler(None, max_total_tokens=4096, **SPEC))
+    """Gemma 3 270M's pair, speculation off and on, shared by the greedy and seeded case."""
+    return (make_scheduler(GEMMA, max_total_tokens=4096, **OFF),
+            make_scheduler(GEMMA, max_total_tokens=4096, **SPEC))
 
 
 @pytest.mark.real_model
@@ -217,9 +218,9 @@ def real_pair() -> tuple[Any, Any]:
 def test_the_real_model_copies_faster_with_the_same_bits(sampling: dict, real_pair) -> None:
     from lockstep.constrained.constraint import constraint_from_fields
     from lockstep.testing.corpus import _ENGLISH
-    from lockstep.testing.inproc import default_tokenizer
+    from lockstep.testing.inproc import packaged_tokenizer
 
-    tok = default_tokenizer()
+    tok = packaged_tokenizer(GEMMA)
     passage = " ".join(_ENGLISH.splitlines()[3:8])
     ask = lambda task: tok(f"<start_of_turn>user\n{task}:\n\n{passage}<end_of_turn>\n"  # noqa: E731
                            "<start_of_turn>model\n").input_ids

@@ -1,4 +1,4 @@
-"""Structured output on the real default model (Gemma 3 270M, a base model: the constraint, not
+"""Structured output on Gemma 3 270M (named; a base model: the constraint, not
 the model, must produce the shape): regex, json_schema and ebnf sampling params, stop_regex,
 bad constraints, and constrained requests next to unconstrained ones.
 
@@ -18,7 +18,7 @@ import requests
 
 from lockstep.constrained.constraint import Constraint
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
-from lockstep.testing.live_server import LiveServer, sse_events
+from lockstep.testing.live_server import GEMMA, LiveServer, sse_events
 
 pytestmark = pytest.mark.real_model
 
@@ -265,9 +265,9 @@ def _constrained_reqs(tok) -> list:
 
 
 def test_scheduler_modes_agree(tmp_path):
-    from lockstep.testing.inproc import default_tokenizer
+    from lockstep.testing.inproc import packaged_tokenizer
 
-    tok = default_tokenizer()
+    tok = packaged_tokenizer(GEMMA)
     runs = {}
     for name, kw in {
         "plain": {"disable_radix_cache": True},
@@ -278,7 +278,7 @@ def test_scheduler_modes_agree(tmp_path):
     }.items():
         # 4096 tokens hold these requests many times over; the size follows from free memory
         # otherwise, and zeroing gigabytes of KV pool took seconds per scheduler.
-        sched = make_scheduler(None, **{"max_total_tokens": 4096, **kw})
+        sched = make_scheduler(GEMMA, **{"max_total_tokens": 4096, **kw})
         runs[name] = run_to_completion(sched, _constrained_reqs(tok))
         if name == "retract":
             assert sched.stats.retractions > 0
@@ -468,7 +468,7 @@ def test_tp2_equals_tp1_for_constrained_requests(real_server, tmp_path):
             ("Once upon a time", {})]
     jobs = [(p, {"max_new_tokens": 48, "temperature": 0, **c}) for p, c in jobs]
     tp1 = [generate(real_server, p, **c) for p, c in jobs]
-    tp2 = LiveServer("--tp-size", "2", "--max-total-tokens", "8192", "--enable-lockstep-check", "1",
+    tp2 = LiveServer("--model-path", GEMMA, "--tp-size", "2", "--max-total-tokens", "8192", "--enable-lockstep-check", "1",
                      log_dir=tmp_path)
     try:
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:

@@ -402,7 +402,7 @@ def test_bad_tool_input_is_400(client: openai.OpenAI, changes: dict, message: st
 
 
 # ---------------------------------------------------------------------------------------------
-# The real default model (Gemma 3 270M, whose family has no call format of its own)
+# Gemma 3 270M, named (a family with no call format of its own)
 
 
 @pytest.fixture(scope="module")

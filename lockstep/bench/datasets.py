@@ -38,13 +38,15 @@ class DatasetRow:
 
 
 def load_tokenizer(path: str | None = None) -> Any:
-    """The server's tokenizer: an HF dir / tokenizer name, or a GGUF / None (the default model),
-    which go through lockstep's loader and its conversion cache."""
+    """The server's tokenizer: an HF dir / tokenizer name, or a GGUF / a packaged model's short
+    name / None (the default model), which go through lockstep's loader and its conversion cache."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    p = Path(path).expanduser() if path else None
+    from lockstep.model_loader.packaged import PACKAGED_MODELS
+
+    p = Path(path).expanduser() if path and path not in PACKAGED_MODELS else None
     if p is not None and p.is_dir() and ((p / "tokenizer.json").exists()
                                          or (p / "tokenizer_config.json").exists()):
         return AutoTokenizer.from_pretrained(str(p))

@@ -224,7 +224,7 @@ def format_ratios(results: list[Result]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lockstep bench one_batch", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None, help="GGUF file or HF dir (default: Gemma 3 270M).")
+    p.add_argument("--model-path", default=None, help="GGUF file, HF dir or packaged model (default: the default model).")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--input-len", type=int, default=256)

@@ -59,9 +59,6 @@ from lockstep.utils.process import kill_tree
 
 logger = logging.getLogger(__name__)
 
-# The name the bundled default model (no --model-path) is served under.
-DEFAULT_MODEL_NAME = "gemma-3-270m"
-
 # How long a child may take to load its share of the model and report ready.
 READY_TIMEOUT_S = 600.0
 
@@ -169,7 +166,7 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
         launched.info.update(
             vocab_size=vocab, model_dir=str(source.model_dir), chat_template=source.chat_template,
             model_path=source.origin, tokenizer_path=args.tokenizer_path or str(source.model_dir),
-            served_model_name=args.served_model_name or args.model_path or DEFAULT_MODEL_NAME,
+            served_model_name=args.served_model_name or args.model_path,
             model_type=source.hf_config.get("model_type"),
             architectures=source.hf_config.get("architectures"))
         launched.tokenizer_manager = TokenizerManager(
@@ -377,4 +374,4 @@ class Engine:
 
     def __repr__(self) -> str:
         state = "shut down" if self._closed else "dead" if self._dead else "running"
-        return f"Engine({self.server_args.model_path or 'default model'}, {state})"
+        return f"Engine({self.server_args.model_path}, {state})"

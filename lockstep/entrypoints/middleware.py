@@ -16,11 +16,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from lockstep.entrypoints.chat_page import PAGE_PATHS
 from lockstep.utils.asgi import BodyLimit
 from lockstep.utils.http import error_body, error_response
 
 RETRY_AFTER_S = 1
-_NO_AUTH_PATHS = frozenset({"/health"})
+# /health, and the chat page with its files: the page must load to ask for the key.
+_NO_AUTH_PATHS = frozenset({"/health", *PAGE_PATHS})
 # Routes that start generations: refused with 503 while the server drains or is going down.
 _GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions",
                                "/health_generate"})
@@ -107,7 +109,7 @@ class BoundedH11Protocol(H11Protocol):
 
 
 class GuardMiddleware(BodyLimit):
-    """The API key on every route but /health, 503 (with Retry-After) on the generation routes
+    """The API key on every route but /health and the chat page, 503 (with Retry-After) on the generation routes
     while the server drains or goes down, and the body-size limit (BodyLimit)."""
 
     def __init__(self, app: Any, api_key: str | None, max_body: int,

@@ -107,7 +107,7 @@ class DrainingServer(uvicorn.Server):
         self.status.phase = "ready"
         args, info = self.launched.args, self.launched.info
         logger.info("model %s: context %s tokens, KV pool %s tokens",
-                    args.model_path or "(default) Gemma 3 270M", info.get("context_len"),
+                    args.model_path, info.get("context_len"),
                     info.get("max_total_num_tokens"))
         host = f"[{args.host}]" if ":" in args.host else args.host
         logger.info("serving on http://%s:%s", host, args.port)

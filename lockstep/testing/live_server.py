@@ -1,6 +1,6 @@
 """Live lockstep processes for tests: a `python -m lockstep.launch_server` process (a free port,
 waited for on /health, stopped by its PID: SIGTERM, then SIGKILL, never by name), the real-model
-server one test session shares, an offline `Engine` that must leave no process behind, and SSE
+server one test session shares (Gemma 3 270M, named), an offline `Engine` that must leave no process behind, and SSE
 parsing of a streamed reply."""
 
 from __future__ import annotations
@@ -111,9 +111,12 @@ class LiveServer:
 API_KEY = "sk-test-lockstep"
 
 
-# The default (real) model's server: started once per test session, since loading the model takes
-# long; the modules that need it share it (tests/conftest.py's `real_server`).
-REAL_MODEL_ARGS = ("--max-total-tokens", "16384")
+# The real model the tests that compare exact outputs run on, by its packaged name: named, never
+# the default, so that changing the default changes none of them.
+GEMMA = "gemma-3-270m"
+# Gemma's server: started once per test session, since loading the model takes long; the modules
+# that need it share it (tests/conftest.py's `real_server`).
+REAL_MODEL_ARGS = ("--model-path", GEMMA, "--max-total-tokens", "16384")
 # A server someone already started (http://host:port): handy when iterating on the real-model
 # tests, which otherwise start their own.
 EXTERNAL_REAL_SERVER_ENV = "LOCKSTEP_TEST_REAL_SERVER_URL"

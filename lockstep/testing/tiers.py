@@ -5,7 +5,8 @@
   them in its body carries `@pytest.mark.server` (or its module a `pytestmark`). A test that
   starts processes without the marker fails (`guard_process_starts`), so `make test-fast` cannot
   quietly grow a server start.
-- `real_model`: the test loads the default model (Gemma 3 270M), through a fixture declared with
+- `real_model`: the test loads a real packaged model (Gemma 3 270M, named where exact outputs
+  matter, or the default SmolLM2-135M-Instruct), through a fixture declared with
   `@marks("real_model")` or the marker itself.
 - `soak`: long reliability runs, only under `make soak`.
 
@@ -26,7 +27,8 @@ from lockstep.testing.live_server import LiveServer
 F = TypeVar("F", bound=Callable[..., Any])
 MARKERS = {
     "server": "starts lockstep processes: a live server, an Engine, ranks spawned as processes",
-    "real_model": "loads the real default model, Gemma 3 270M (slow to load)",
+    "real_model": "loads a real packaged model: Gemma 3 270M or the default, SmolLM2-135M-Instruct "
+                  "(slow to load)",
     "soak": "long-form reliability runs, only under `make soak`",
 }
 _ATTR = "__lockstep_test_marks__"

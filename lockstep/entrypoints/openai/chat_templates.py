@@ -1,4 +1,4 @@
-"""Chat templates: which one a model uses (the default model's GGUF has none: built-ins reproduce
+"""Chat templates: which one a model uses (Gemma 3 270M's GGUF has none: built-ins reproduce
 each family's official format), rendered by the tokenizer's own `apply_chat_template`."""
 
 from __future__ import annotations
