@@ -7,7 +7,6 @@ through): with --api-key the page asks for the key and sends it as a Bearer toke
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import APIRouter
@@ -35,13 +34,27 @@ def _read(name: str) -> bytes:
     return (STATIC / name).read_bytes()
 
 
-def _route(name: str, media_type: str) -> Callable[[], Awaitable[Response]]:
-    async def serve() -> Response:
-        return Response(_read(name), media_type=media_type, headers=_HEADERS)
-    return serve
+def _serve(path: str) -> Response:
+    name, media_type = _FILES[path]
+    return Response(_read(name), media_type=media_type, headers=_HEADERS)
 
 
-for _path, (_name, _media_type) in _FILES.items():
-    # Not in /openapi.json: a page for people, not part of the API.
-    router.add_api_route(_path, _route(_name, _media_type), methods=["GET"],
-                         include_in_schema=False)
+# Not in /openapi.json: a page for people, not part of the API.
+@router.get("/", include_in_schema=False)
+async def index() -> Response:
+    return _serve("/")
+
+
+@router.get("/static/chat.js", include_in_schema=False)
+async def chat_js() -> Response:
+    return _serve("/static/chat.js")
+
+
+@router.get("/static/chat.css", include_in_schema=False)
+async def chat_css() -> Response:
+    return _serve("/static/chat.css")
+
+
+@router.get("/static/favicon.svg", include_in_schema=False)
+async def favicon() -> Response:
+    return _serve("/static/favicon.svg")

@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from lockstep import __version__
-from lockstep.sampling_params import SamplingParams
 from lockstep.entrypoints.app_state import State, returns, returns_text
 from lockstep.entrypoints.fanout import (
     run_to_completion,
@@ -36,6 +35,7 @@ from lockstep.entrypoints.openai.tokenize import (
     tokenize,
 )
 from lockstep.messages import TokenizedGenerateReq
+from lockstep.sampling_params import SamplingParams
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import SSE_DONE, error_response, json_response, sse
 
