@@ -9,8 +9,8 @@ What counts as a reference (anything else in a doc is prose, a field name, a she
   `python -m lockstep.x`: an importable module. Absolute, home (`~`) and `../` paths are outside
   the tree and not checked.
 - a dotted name in backticks whose first part is a lockstep module (`kernels.linear_parts`,
-  `lockstep.core.SamplingParams`, `utils/process.keep_freed_memory`) or a lockstep class
-  (`Scheduler._step_overlap`): each part must resolve, as an attribute, a submodule, or an
+  `lockstep.sampling_params.SamplingParams`, `utils/process.keep_freed_memory`) or a lockstep class
+  (`Scheduler.collect_inputs`): each part must resolve, as an attribute, a submodule, or an
   attribute a class's methods set (`self.x = ...`).
 - a CamelCase name in backticks (`BlockWeight`, `RadixCache`): a lockstep class or function, or
   one of EXTERNAL_NAMES (other projects' names the docs mention on purpose).
@@ -389,8 +389,8 @@ def _split_pointer(line: str) -> list[str]:
 
 @pytest.mark.parametrize(("span", "stale"), [
     ("kernels.decode.decode_attention", True), ("kernels.decode_attention", False),
-    ("lockstep.core.SamplingParams", False), ("lockstep.core.NoSuchThing", True),
-    ("utils/process.keep_freed_memory", False), ("Scheduler._step_overlap", False),
+    ("lockstep.sampling_params.SamplingParams", False), ("lockstep.core.NoSuchThing", True),
+    ("utils/process.keep_freed_memory", False), ("Scheduler.collect_inputs", False),
     ("Scheduler.no_such_method", True), ("RMSNorm.scale", False), ("RMSNorm.gone", True),
     ("GenerateReqInput.model_validate", False), ("GenerateReqInput.sampling_params", False), ("BlockLinearParts", True), ("BlockWeight", False),
     ("resolve_model(path)", False), ("no_such_function()", True), ("--tp-size", False),

@@ -433,12 +433,12 @@ def check_readme_answer(out: dict, code: str) -> None:
 
 
 @pytest.mark.parametrize("index", range(len(readme_examples())))
-def test_readme_example_runs(real_server, index, tmp_path):
+def test_readme_example_runs(default_server, index, tmp_path):
     import subprocess
     import sys
 
     lang, code = readme_examples()[index]
-    code = code.replace(README_URL, real_server.url)
+    code = code.replace(README_URL, default_server.url)
     if lang == "bash":
         cmd = ["bash", "-euo", "pipefail", "-c", code.replace("curl ", "curl -sS --fail-with-body ")]
     else:

@@ -62,7 +62,7 @@ class PagedAttention(nn.Module):
                                                  enable_gqa=self.n_heads != self.n_kv_heads)
         else:
             # Decode (one query per request): two batched matmuls beat CPU SDPA on one query row
-            # (docs/benchmarks.md, "Decode step changes (issue 7)").
+            # (docs/benchmarks_archive.md, "Decode step changes (issue 7)").
             out = self._matmul_attention(qp, keys, vals, mask)
         out = out.transpose(1, 2).reshape(b * qn, self.n_heads * self.head_dim)
         return out if qn == 1 and q.shape[0] == b else out[meta.q_scatter]
@@ -70,7 +70,7 @@ class PagedAttention(nn.Module):
     @staticmethod
     def _gather(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         # index_select on a flat index instead of advanced indexing `buffer[slots]`: the generic
-        # index kernel is the slower gather on CPU (docs/benchmarks.md, "Decode step changes (issue 7)").
+        # index kernel is the slower gather on CPU (docs/benchmarks_archive.md, "Decode step changes (issue 7)").
         rows = buffer.index_select(0, slots.reshape(-1))
         return rows.view(*slots.shape, *buffer.shape[1:]).transpose(1, 2)
 

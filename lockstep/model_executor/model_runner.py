@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     """auto: float32 on a CPU, where the block kernels take float32 activations and a request's
     numbers do not depend on its batch (torch's bfloat16 matmuls there change greedy outputs
-    between alone and batched: docs/benchmarks.md, "bf16 vs float32 agreement"); bfloat16 on CUDA."""
+    between alone and batched: docs/benchmarks_archive.md, "bf16 vs float32 agreement"); bfloat16 on CUDA."""
     if name == "auto":
         return torch.bfloat16 if device == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -34,7 +34,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 def kv_cache_dtype(name: torch.dtype | None, dtype: torch.dtype, int8_activations: bool) -> torch.dtype:
     """The K/V pool's type. auto (None): float16 where int8 activations are on, as llama.cpp keeps its
     KV cache (batched decode attention reads every request's K/V from memory each step, so half the
-    bytes is a large share of the step: docs/benchmarks.md, "Zen 4, night: a float16 K/V cache");
+    bytes is a large share of the step: docs/benchmarks.md, "Zen 4, night: the newest round in full");
     else the model's dtype, so the exact float32 path stays float32 end to end (the HF-equality
     oracle). A 16-bit pool rounds each K/V value once, on write: no request's numbers depend on its
     batch either way."""
