@@ -2,7 +2,7 @@
 
 csrc/ops.h lists the same names (LOCKSTEP_LAYER_CONSTS); the compiled version builds its own
 LayerConsts from these fields as keyword arguments, once per layer, and refuses a missing or
-unknown name (tests/test_fused_kernels.py holds the two lists equal)."""
+unknown name (tests/kernels/test_fused_kernels.py holds the two lists equal)."""
 
 from __future__ import annotations
 

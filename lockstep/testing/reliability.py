@@ -1,4 +1,4 @@
-"""What the reliability suites share (tests/test_reliability.py, tests/test_hostile_inputs.py):
+"""What the reliability suites share (tests/reliability/test_reliability.py, tests/reliability/test_hostile_inputs.py):
 each test's short form (the default run) and long form (`soak`), the servers' flags and key, a
 greedy /generate and the printed figures docs/reliability.md records."""
 

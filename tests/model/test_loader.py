@@ -372,7 +372,7 @@ def oracle(gemma_source):
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
-        # shared with tests/test_stop_matching.py (built once per process)
+        # shared with tests/scheduler/test_stop_matching.py (built once per process)
         tok = transformers_gguf_tokenizer(str(gguf_path))
     return model.eval(), tok
 

@@ -1,6 +1,6 @@
 """Packaged models by short name (lockstep.model_loader.packaged): the default, the names,
 `lockstep models`, and the errors that name the command to install a missing wheel. The default
-model answering a chat: tests/test_default_model.py."""
+model answering a chat: tests/model/test_default_model.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from lockstep.testing.gguf_writer import write_gguf
 from lockstep.testing.live_server import GEMMA
 from lockstep.testing.tiny_models import tiny_hf_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = "smollm2-135m-instruct"
 
 

@@ -59,7 +59,7 @@ def test_server_and_model_info(server, model_dir):
 def test_packaged_model_identity(real_server):
     """--model-path gemma-3-270m (a packaged model's short name): its GGUF is the model path and
     the short name the served name (they were null once, and SGLang's router registered the server
-    as model "unknown"). The default model's: tests/test_default_model.py."""
+    as model "unknown"). The default model's: tests/model/test_default_model.py."""
     real = real_server
     info = requests.get(real.url + "/server_info", timeout=30).json()
     assert info["model_path"].endswith(".gguf") and Path(info["model_path"]).is_file()

@@ -34,7 +34,7 @@ def _prompts(n: int, seed: int = 0, length: int = 24) -> list[list[int]]:
 
 def _pair(model_dir: Any, **server: Any) -> tuple[Any, Any]:
     """Two schedulers of one model and settings, speculation off and on. Reused across runs: a
-    prefix-cache hit changes no bit either (tests/test_prefix_cache_bitwise.py)."""
+    prefix-cache hit changes no bit either (tests/scheduler/test_prefix_cache_bitwise.py)."""
     kw = {"max_total_tokens": 4096, "quantization": "q8_0", **server}
     return make_scheduler(model_dir, **kw, **OFF), make_scheduler(model_dir, **kw, **SPEC)
 

@@ -396,7 +396,7 @@ def test_model_names(client, real_server):
 # ---------------------------------------------------------------------------------------------
 # Every example in the README runs (the server-launch command lines aside)
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:30000"
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 SOURCE_EXT = ("py", "cpp", "h", "md", "jinja", "sh", "toml", "png")
 # Names from other projects the docs mention on purpose: each checked by eye, not by this test.
@@ -405,8 +405,8 @@ def test_what_counts_as_a_stale_reference(span: str, stale: bool) -> None:
 
 @pytest.mark.parametrize(("line", "stale"), [
     ("see `lockstep/kernels/csrc/layer.cpp`", False), ("see `lockstep/foo.py`", True),
-    ("`tests/test_doc_references.py::test_docs_name_only_what_exists`", False),
-    ("`tests/test_doc_references.py::test_gone`", True), ("`csrc/layer.cpp`", False),
+    ("`tests/project/test_doc_references.py::test_docs_name_only_what_exists`", False),
+    ("`tests/project/test_doc_references.py::test_gone`", True), ("`csrc/layer.cpp`", False),
     ("python -m lockstep.bench.serving", False), ("python -m lockstep.nothing", True),
     ("`~/.cache/lockstep/kernels/x.py`", False), ("`../shared/tools/build.sh`", False),
     ("`python benchmarks/kernel_source_ab.py int8 OLD.cpp NEW.cpp`", False),

@@ -20,7 +20,7 @@ from lockstep.bench.datasets import (
 from lockstep.bench.serving import RequestOutput, calculate_metrics, request_intervals
 from lockstep.testing.live_server import API_KEY, LiveServer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

