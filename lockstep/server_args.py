@@ -55,7 +55,8 @@ class ServerArgs:
               "activations (--device cpu, --dtype auto or float32).", "model",
         choices=list(QUANTIZATION_METHODS))
     int8_activations: bool | None = flag(
-        None, "CPU: multiply the integer weight blocks (Q8_0/Q4_0/Q5_0/Q4_K/Q6_K) by activations "
+        None, "CPU: multiply the integer weight blocks (every type docs/quant_types.md gives an int8 "
+              "kernel) by activations "
               "quantized per block of 32 to int8 (llama.cpp's arithmetic) at every batch size, so a "
               "request's numbers still do not depend on its batch. Default: on wherever it applies "
               "(--device cpu, --dtype auto/float32, integer blocks: a GGUF or --quantization "

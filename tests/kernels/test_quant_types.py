@@ -150,7 +150,7 @@ def test_a_gguf_of_the_new_types_is_served_on_its_blocks(tmp_path, caplog, monke
     # read from, which an earlier run's temporary directory no longer has
     monkeypatch.setenv("LOCKSTEP_CACHE_DIR", str(tmp_path / "cache"))
 
-    from lockstep.layers.block_weight import BlockWeight
+    from lockstep.layers.block_weight import BlockWeight, Kind
     from lockstep.model_loader import resolve_model
     from lockstep.testing.gguf_writer import QTYPE, write_gguf
     from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
@@ -170,7 +170,7 @@ def test_a_gguf_of_the_new_types_is_served_on_its_blocks(tmp_path, caplog, monke
         assert not [r for r in caplog.records if "dequantized to float32" in r.message]
         linears = [m for m in sched.worker.runner.model.modules() if hasattr(m, "parts")]
         parts = [p for m in linears for p in m.parts]
-        assert linears and all(isinstance(p, BlockWeight) and p.int8_activations == int8 for p in parts)
+        assert linears and all(isinstance(p, BlockWeight) and p.kind == (Kind.INT8 if int8 else Kind.EXACT) for p in parts)
         assert {p.qtype for p in parts} >= set(GGUF_TYPE_OF.values()) - {"Q4_1"}
         got = run_to_completion(sched, [greedy_req(f"r{i}", p, 8) for i, p in enumerate(prompts)])
         for i, r in enumerate(ref):
