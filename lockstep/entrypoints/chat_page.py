@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 from starlette.responses import Response
 
 STATIC = Path(__file__).with_name("static")
@@ -35,6 +35,8 @@ def _read(name: str) -> bytes:
 
 
 def _serve(path: str) -> Response:
+    if path not in _FILES:
+        raise HTTPException(404, f"no page file {path}")
     name, media_type = _FILES[path]
     return Response(_read(name), media_type=media_type, headers=_HEADERS)
 
@@ -45,16 +47,6 @@ async def index() -> Response:
     return _serve("/")
 
 
-@router.get("/static/chat.js", include_in_schema=False)
-async def chat_js() -> Response:
-    return _serve("/static/chat.js")
-
-
-@router.get("/static/chat.css", include_in_schema=False)
-async def chat_css() -> Response:
-    return _serve("/static/chat.css")
-
-
-@router.get("/static/favicon.svg", include_in_schema=False)
-async def favicon() -> Response:
-    return _serve("/static/favicon.svg")
+@router.get("/static/{name}", include_in_schema=False)
+async def static_file(name: str) -> Response:
+    return _serve(f"/static/{name}")
