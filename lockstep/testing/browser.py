@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -156,7 +157,7 @@ async def headless_chromium(timeout: float = 60) -> AsyncIterator[Page]:
         log = open(Path(profile) / "chromium.log", "wb")  # noqa: SIM115 - closed below
         proc = subprocess.Popen([str(chromium), *FLAGS, f"--user-data-dir={profile}",
                                  "about:blank"], stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=_own_group_dying_with_parent)
         try:
             port = await _devtools_port(Path(profile), proc, timeout)
             async with aiohttp.ClientSession() as http:
@@ -169,9 +170,29 @@ async def headless_chromium(timeout: float = 60) -> AsyncIterator[Page]:
                         await page.call(f"{domain}.enable")
                     yield page
         finally:
-            proc.kill()
-            proc.wait(timeout=30)
+            _kill_group(proc)
             log.close()
+
+
+def _own_group_dying_with_parent() -> None:
+    os.setpgid(0, 0)  # Chromium's renderer, GPU and utility processes join this group
+    die_with_parent()
+
+
+def _kill_group(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Kill Chromium and every process it started, by its group (its PID), and wait until none is
+    left: killing the browser alone left its children writing into the profile folder while it was
+    being removed ("Directory not empty"), and left them running after the test."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"chromium's processes (group {proc.pid}) outlived SIGKILL for {timeout:g} s")
 
 
 async def _devtools_port(profile: Path, proc: subprocess.Popen, timeout: float) -> int:

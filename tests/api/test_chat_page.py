@@ -47,17 +47,25 @@ async def _send(page: Page, text: str) -> None:
     await page.wait_for(f"{count} > {before}", timeout=30)
 
 
+async def _watch_reply_lengths(page: Page) -> None:
+    """From now on, record the last reply's length at every change the page makes to the
+    conversation (a MutationObserver sees each streamed delta; polling missed the short middle
+    states of a fast reply)."""
+    await page.evaluate(f"""(() => {{
+        window.replyLengths = [];
+        new MutationObserver(() => {{
+            const n = {LAST_REPLY}?.querySelector('.content')?.textContent.length ?? 0;
+            if (window.replyLengths.at(-1) !== n) window.replyLengths.push(n);
+        }}).observe(document.getElementById('messages'),
+                    {{childList: true, subtree: true, characterData: true}});
+    }})()""")
+
+
 async def _reply_lengths_until_done(page: Page, timeout: float = 240) -> list[int]:
-    """The last reply's length each time it changed, until its status line appears."""
-    lengths: list[int] = []
-    deadline = time.monotonic() + timeout
-    while not await page.evaluate(f"!!{LAST_REPLY}.querySelector('.status')"):
-        n = await page.evaluate(f"{LAST_REPLY}.querySelector('.content').textContent.length")
-        if not lengths or n != lengths[-1]:
-            lengths.append(n)
-        assert time.monotonic() < deadline, f"no end of the reply in {timeout} s"
-        await asyncio.sleep(0.02)
-    return lengths
+    """The last reply's length each time it changed (since `_watch_reply_lengths`), once its
+    status line appears."""
+    await page.wait_for(f"!!{LAST_REPLY}.querySelector('.status')", timeout=timeout)
+    return await page.evaluate("window.replyLengths")
 
 
 async def _chat_on_the_default_model(page: Page, server: LiveServer) -> None:
@@ -98,6 +106,7 @@ async def _chat_on_the_default_model(page: Page, server: LiveServer) -> None:
     await page.evaluate("document.getElementById('system').value = ''")
     await page.type("#temperature", "0")
     await page.type("#max-tokens", "100")
+    await _watch_reply_lengths(page)
     await _send(page, QUESTION)
     lengths = await _reply_lengths_until_done(page)
     answer = await page.evaluate(f"{LAST_REPLY}.querySelector('.content').textContent")
@@ -143,8 +152,9 @@ async def _api_key_asked(page: Page, server: LiveServer) -> None:
     assert await page.wait_for(
         f"document.getElementById('model').textContent === {json.dumps(served)}")
     await page.type("#max-tokens", "12")
+    await _watch_reply_lengths(page)
     await _send(page, "Hello")
-    await _reply_lengths_until_done(page, timeout=120)
+    assert await _reply_lengths_until_done(page, timeout=120)
     assert await page.evaluate(f"{LAST_REPLY}.querySelector('.status.error')") is None
     assert await page.evaluate(f"{LAST_REPLY}.querySelector('.content').textContent")
 
