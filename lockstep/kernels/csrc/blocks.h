@@ -79,6 +79,16 @@ struct Q4_0 : Simple {  // half d, 16 bytes: low nibbles are elements 0-15, high
     w1 = vmul(d, from_i8(_mm_sub_epi8(hi_nibbles(qs), eight)));
   }
 };
+#ifdef LOCKSTEP_AVX512
+// A 5-bit block's 32 codes (Q5_0, Q5_1) as two 16-lane indices (elements 0-15 and 16-31): the low
+// and the high nibbles, each with its 5th bit from qh. They index the block's 32-value table.
+inline void codes5(const uint8_t* nibbles, uint32_t qh, __m512i& i0, __m512i& i1) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(load16(nibbles)), bit4 = _mm512_set1_epi32(16);
+  const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(bytes, 4);
+  i0 = _mm512_mask_or_epi32(lo, static_cast<__mmask16>(qh & 0xFFFF), lo, bit4);
+  i1 = _mm512_mask_or_epi32(hi, static_cast<__mmask16>(qh >> 16), hi, bit4);
+}
+#endif
 struct Q5_0 : Simple {  // half d, uint32 qh (bit i = 5th bit of element i), 16 bytes of nibbles
   static constexpr int kBytes = 22;
   static void load32(const uint8_t* row, int64_t b, const Scales&, V& w0, V& w1) {
@@ -93,11 +103,8 @@ struct Q5_0 : Simple {  // half d, uint32 qh (bit i = 5th bit of element i), 16 
     const __m512 neg = _mm512_mul_ps(d, _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5,
                                                        -4, -3, -2, -1));
     const __m512 pos = _mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i bytes = _mm512_cvtepu8_epi32(load16(p + 6)), bit4 = _mm512_set1_epi32(16);
-    __m512i i0 = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
-    __m512i i1 = _mm512_srli_epi32(bytes, 4);
-    i0 = _mm512_mask_or_epi32(i0, static_cast<__mmask16>(qh & 0xFFFF), i0, bit4);
-    i1 = _mm512_mask_or_epi32(i1, static_cast<__mmask16>(qh >> 16), i1, bit4);
+    __m512i i0, i1;
+    codes5(p + 6, qh, i0, i1);
     w0 = {_mm512_permutex2var_ps(neg, i0, pos)};
     w1 = {_mm512_permutex2var_ps(neg, i1, pos)};
 #else

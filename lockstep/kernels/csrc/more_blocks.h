@@ -61,11 +61,8 @@ struct Q5_1 : Simple {
     const __m512 d = _mm512_set1_ps(half_at(p)), m = _mm512_set1_ps(half_at(p + 2));
     const __m512 lo_tab = _mm512_add_ps(_mm512_mul_ps(d, iota16()), m);
     const __m512 hi_tab = _mm512_add_ps(_mm512_mul_ps(d, _mm512_add_ps(iota16(), _mm512_set1_ps(16))), m);
-    const __m512i bytes = _mm512_cvtepu8_epi32(load16(p + 8)), bit4 = _mm512_set1_epi32(16);
-    __m512i i0 = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F));
-    __m512i i1 = _mm512_srli_epi32(bytes, 4);
-    i0 = _mm512_mask_or_epi32(i0, static_cast<__mmask16>(qh & 0xFFFF), i0, bit4);
-    i1 = _mm512_mask_or_epi32(i1, static_cast<__mmask16>(qh >> 16), i1, bit4);
+    __m512i i0, i1;
+    codes5(p + 8, qh, i0, i1);
     w0 = {_mm512_permutex2var_ps(lo_tab, i0, hi_tab)};
     w1 = {_mm512_permutex2var_ps(lo_tab, i1, hi_tab)};
 #else
