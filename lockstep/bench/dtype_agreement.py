@@ -2,11 +2,13 @@
 
     python -m lockstep.bench.dtype_agreement --num-prompts 20 --output-len 32
     python -m lockstep.bench.dtype_agreement --dtype float32 --int8-activations
-    python -m lockstep.bench.dtype_agreement --llama-server http://127.0.0.1:PORT   # llama.cpp's own
+    python -m lockstep.bench.dtype_agreement --dtype float32 --int8-activations \
+        --llama-server http://127.0.0.1:PORT        # and llama.cpp's, and lockstep's with llama.cpp's
 
-With ``--llama-server`` the compared model is a running llama.cpp ``llama-server`` serving the same
-GGUF (token ids in, so both see the same tokens): its greedy token after every teacher-forced
-prefix (``/completion``, ``n_predict`` 1, temperature 0, prompt cache on) and its own greedy run.
+With ``--llama-server`` a running llama.cpp ``llama-server`` serving the same GGUF is compared too
+(token ids in, so both see the same tokens): its greedy token after every teacher-forced prefix
+(``/completion``, ``n_predict`` 1, temperature 0, prompt cache on) and its own greedy run; and
+lockstep's compared dtype against it, position by position.
 
 Runs the serving path in-process (``create_scheduler``, as a scheduler process does) once per
 dtype. float32 first decodes every prompt greedily. Then both dtypes are teacher-forced on those
@@ -103,6 +105,33 @@ def llama_server_runs(url: str, prompts: list[list[int]], conts: list[list[int]]
     return free, top1
 
 
+def _agreement(name: str, ref: list[list[int]], ref_top: list[list[list[tuple[float, int]]]],
+               top1: list[list[int]], free: list[list[int]]) -> dict[str, Any]:
+    """Print and return how `name`'s top-1 and free run agree with float32's."""
+    total = agree = 0
+    margins_at_flip: list[float] = []
+    for c, rt, lt in zip(ref, ref_top, top1):
+        for pos, tok_id in enumerate(c):
+            total += 1
+            if lt[pos] == tok_id:
+                agree += 1
+            else:
+                margins_at_flip.append(rt[pos][0][0] - rt[pos][1][0])
+    identical = sum(a == b for a, b in zip(ref, free))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                  for a, b in zip(ref, free)]
+    diverged = [d for d in first_diff if d is not None]
+    print(f"  {name}: teacher-forced top-1 agreement with float32: {agree}/{total} = "
+          f"{100 * agree / total:.1f}%")
+    print(f"    free-running: {identical}/{len(ref)} continuations identical; first difference at "
+          f"token {sorted(diverged)} of the others")
+    if margins_at_flip:
+        print(f"    float32 top-1 - top-2 logprob margin where it flips: median "
+              f"{statistics.median(margins_at_flip):.3f}, max {max(margins_at_flip):.3f}")
+    return {"agree": agree, "total": total, "identical": identical, "first_diff": first_diff,
+            "flip_margins": margins_at_flip}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lockstep bench dtype_agreement", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None)
@@ -117,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="The compared server's K/V cache type (float32's own is float32).")
     p.add_argument("--llama-server", default=None, metavar="URL",
-                   help="Compare float32 with a llama-server serving the same GGUF (its own agreement).")
+                   help="Also compare a llama-server serving the same GGUF: its agreement with float32 "
+                        "and lockstep's with it, on the same positions.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -137,51 +167,40 @@ def main(argv: list[str] | None = None) -> int:
     ref = greedy(f32, prompts, args.output_len)
     ref_top = teacher_forced_top(f32, prompts, ref)
     del f32
+    low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts, args.quantization,
+                     args.int8_activations, args.kv_cache_dtype)
+    label = " ".join([args.dtype] + ([f"--quantization {args.quantization}"] if args.quantization
+                                     else []) + (["--int8-activations"] if args.int8_activations else [])
+                     + ([f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else []))
+    free = greedy(low, prompts, args.output_len)
+    low_top1 = [[pos[0][1] for pos in t] for t in teacher_forced_top(low, prompts, ref)]
+    del low
+    # Every compared server's teacher-forced top-1 on float32's continuations, and its free run.
+    runs: dict[str, tuple[list[list[int]], list[list[int]]]] = {label: (low_top1, free)}
     if args.llama_server:
-        label = f"llama-server {args.llama_server}"
-        free, low_top1 = llama_server_runs(args.llama_server.rstrip("/"), prompts, ref,
-                                           args.output_len)
-    else:
-        low = _scheduler(args.model_path, args.dtype, budget, args.num_prompts, args.quantization,
-                         args.int8_activations, args.kv_cache_dtype)
-        label = " ".join([args.dtype] + ([f"--quantization {args.quantization}"] if args.quantization
-                                         else []) + (["--int8-activations"] if args.int8_activations else [])
-                         + ([f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else []))
-        free = greedy(low, prompts, args.output_len)
-        low_top1 = [[pos[0][1] for pos in t] for t in teacher_forced_top(low, prompts, ref)]
-        del low
+        llama_free, llama_top1 = llama_server_runs(args.llama_server.rstrip("/"), prompts, ref,
+                                                   args.output_len)
+        runs["llama-server"] = (llama_top1, llama_free)
     elapsed = time.perf_counter() - t
 
-    total = agree = self_agree = 0
-    margins_at_flip: list[float] = []
-    for c, rt, lt in zip(ref, ref_top, low_top1):
-        for pos, tok_id in enumerate(c):
-            total += 1
-            self_agree += rt[pos][0][1] == tok_id
-            if lt[pos] == tok_id:
-                agree += 1
-            else:
-                margins_at_flip.append(rt[pos][0][0] - rt[pos][1][0])
-    identical = sum(a == b for a, b in zip(ref, free))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                  for a, b in zip(ref, free)]
-    diverged = [d for d in first_diff if d is not None]
     print(f"model {source.origin}; {args.num_prompts} prompts of {args.input_len // 2}-{args.input_len} "
-          f"tokens x {args.output_len} greedy tokens; {label} vs float32 ({elapsed:.0f} s)")
-    print(f"  teacher-forced top-1 agreement: {agree}/{total} = {100 * agree / total:.1f}%")
+          f"tokens x {args.output_len} greedy tokens; {' and '.join(runs)} vs float32 ({elapsed:.0f} s)")
+    self_agree = sum(rt[pos][0][1] == tok_id for c, rt in zip(ref, ref_top) for pos, tok_id in enumerate(c))
+    total = sum(len(c) for c in ref)
     print(f"  float32 teacher-forced vs float32 greedy (sanity): {self_agree}/{total}")
-    print(f"  free-running: {identical}/{len(ref)} continuations identical; first difference at "
-          f"token {sorted(diverged)} of the others")
-    if margins_at_flip:
-        print(f"  float32 top-1 - top-2 logprob margin where {label} flips: median "
-              f"{statistics.median(margins_at_flip):.3f}, max {max(margins_at_flip):.3f}")
+    results = {}
+    for name, (top1, run) in runs.items():
+        results[name] = _agreement(name, ref, ref_top, top1, run)
+    if args.llama_server:
+        pair = sum(a == b for x, y in zip(low_top1, runs["llama-server"][0]) for a, b in zip(x, y))
+        print(f"  {label} vs llama-server, teacher-forced top-1 on the same positions: "
+              f"{pair}/{total} = {100 * pair / total:.1f}%")
+        results["vs llama-server"] = {"agree": pair, "total": total}
     if args.result_file:
         with open(args.result_file, "a") as f:
             f.write(json.dumps({"bench": "dtype_agreement", "dtype": label,
                                 "num_prompts": args.num_prompts, "output_len": args.output_len,
-                                "agree": agree, "total": total, "identical": identical,
-                                "first_diff": first_diff, "flip_margins": margins_at_flip,
-                                "torch": torch.__version__}) + "\n")
+                                "results": results, "torch": torch.__version__}) + "\n")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from lockstep.model_loader.packaged import DEFAULT_MODEL
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.live_server import GEMMA
 from lockstep.testing.oracle import hf_greedy, hf_prompt_logprobs
@@ -74,22 +75,23 @@ REAL_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def real_model():
+@pytest.fixture(scope="module", params=[GEMMA, DEFAULT_MODEL])
+def real_model(request):
+    """Both packaged models: Gemma 3 (gemma3) and the default, SmolLM2-135M-Instruct (llama)."""
     from transformers import AutoTokenizer
 
     from lockstep.model_loader import resolve_model
 
-    source = resolve_model(GEMMA)
+    source = resolve_model(request.param)
     tok = AutoTokenizer.from_pretrained(source.model_dir)
-    return source.model_dir, [tok(p).input_ids for p in REAL_PROMPTS]
+    return request.param, source.model_dir, [tok(p).input_ids for p in REAL_PROMPTS]
 
 
 @pytest.mark.real_model
-def test_real_gemma3_270m_matches_hf(real_model):
-    model_dir, prompts = real_model
+def test_real_packaged_models_match_hf_on_the_exact_path(real_model):
+    name, model_dir, prompts = real_model
     ref = hf_greedy(model_dir, prompts, MAX_NEW)
-    sched = make_scheduler(GEMMA, max_total_tokens=4096, int8_activations=False)  # float32 path
+    sched = make_scheduler(name, max_total_tokens=4096, int8_activations=False)  # float32 path
     got = run_to_completion(sched, [greedy_req(f"r{i}", p, MAX_NEW, return_logprob=True)
                                     for i, p in enumerate(prompts)])
     for i, r in enumerate(ref):

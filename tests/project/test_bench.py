@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from lockstep.bench.datasets import (
+    CHAT_QUESTIONS,
     EDIT_INSTRUCTIONS,
     load_tokenizer,
+    sample_chat_requests,
     sample_edit_requests,
     sample_generated_shared_prefix_requests,
     sample_random_requests,
@@ -83,6 +85,16 @@ def test_edit_dataset_asks_to_repeat_a_passage_in_the_chat_template(tokenizer) -
         assert r.input_ids == tokenizer(r.prompt).input_ids and r.prompt_len == len(r.input_ids)
         assert r.input_ids.count(tokenizer.bos_token_id) == 1
         assert r.output_len == 32 and 60 < r.prompt_len < 60 + 60
+
+
+def test_chat_dataset_asks_each_question_once_in_the_chat_template(tokenizer) -> None:
+    rows = sample_chat_requests(tokenizer, 12, 160)
+    assert len(rows) == 12 and len({r.prompt for r in rows}) == 12
+    for question, r in zip(CHAT_QUESTIONS, rows):
+        assert r.prompt == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        assert r.input_ids == tokenizer(r.prompt).input_ids and r.output_len == 160
+    with pytest.raises(ValueError, match="16 questions"):
+        sample_chat_requests(tokenizer, len(CHAT_QUESTIONS) + 1, 8)
 
 
 # ---- metrics ---------------------------------------------------------------------------------
