@@ -75,9 +75,11 @@ class EventStream:
         return events
 
     def finish(self, status: Status) -> list[Event]:
-        """Close the open item (a reply with nothing in it still gets its empty message, as
-        the non-streaming reply does); the final event is completed, incomplete or failed."""
-        events = self._text_delta("message", "") if self._open is None and not self.items else []
+        """Close the open item. A reply with neither text nor calls still gets its (empty)
+        message, as the non-streaming reply does."""
+        kinds = {item.type for item in self.items} | (
+            {self._open.item.type} if self._open is not None else set())
+        events = self._text_delta("message", "") if kinds <= {"reasoning"} else []
         item_status: Status = "incomplete" if status == "incomplete" else "completed"
         return events + self._close(item_status)
 

@@ -138,21 +138,22 @@ def status_of(finish: str | None) -> tuple[Status, IncompleteDetails | None]:
 
 def output_items(choice: ChatCompletionChoice) -> list[OutputItem]:
     """A finished chat choice as output items, in the order a stream sends them: reasoning,
-    the message, the function calls. A reply of calls only has no message."""
-    status, _ = status_of(choice.finish_reason)
-    item_status: Status = "incomplete" if status == "incomplete" else "completed"
+    the message, the function calls. A reply of calls only has no message; a reply cut off by
+    the token limit has its last item incomplete (the one the stream was in when cut)."""
     msg = choice.message
     items: list[OutputItem] = []
     if msg.reasoning_content:
-        items.append(OutputReasoning(id=new_id("reasoning"), status=item_status, content=[
+        items.append(OutputReasoning(id=new_id("reasoning"), status="completed", content=[
             {"type": "reasoning_text", "text": msg.reasoning_content}]))
     if msg.content or not msg.tool_calls:
-        items.append(OutputMessage(id=new_id("message"), status=item_status,
+        items.append(OutputMessage(id=new_id("message"), status="completed",
                                    content=[OutputTextPart(text=msg.content or "")]))
     for call in msg.tool_calls or []:
         items.append(OutputFunctionCall(id=new_id("function_call"), call_id=call.id,
                                         name=call.function.name,
-                                        arguments=call.function.arguments, status=item_status))
+                                        arguments=call.function.arguments, status="completed"))
+    if status_of(choice.finish_reason)[0] == "incomplete":
+        items[-1] = items[-1].model_copy(update={"status": "incomplete"})
     return items
 
 
