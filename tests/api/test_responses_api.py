@@ -194,7 +194,7 @@ def test_evicted_response_is_a_clear_404(client):
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"tools": TOOLS, "tool_choice": NAMED,
-      "text": {"format": {"type": "json_object"}}}, "forced tool call"),
+      "text": {"format": {"type": "json_object"}}}, "combined with text.format"),
 ])
 def test_unserved_request_is_a_400_naming_it(client, extra, named):
     with pytest.raises(openai.BadRequestError, match=named):

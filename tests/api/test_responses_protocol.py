@@ -33,6 +33,7 @@ from lockstep.entrypoints.openai.responses.translate import (
     chat_request,
     input_items,
     output_items,
+    renamed,
 )
 from lockstep.entrypoints.tokenizer_manager import RequestError
 
@@ -247,3 +248,11 @@ def test_store_persists_atomically(tmp_path, monkeypatch):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot load"):
         ResponseStore(10, 1 << 20, path)
+
+
+def test_chat_path_errors_name_the_responses_fields():
+    error = renamed(RequestError("a forced tool call cannot be combined with response_format; "
+                                 "max_completion_tokens too large; messages: bad", 400))
+    assert str(error) == ("a forced tool call cannot be combined with text.format; "
+                          "max_output_tokens too large; input: bad")
+    assert error.status == 400

@@ -36,10 +36,11 @@ from lockstep.entrypoints.openai.responses.translate import (
     new_id,
     output_items,
     output_text,
+    renamed,
     status_of,
 )
 from lockstep.entrypoints.openai.serving import ChatRun, OpenAIServing, usage_of
-from lockstep.entrypoints.tokenizer_manager import GenerateOutput
+from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError
 from lockstep.server_args import ServerArgs
 from lockstep.utils.asgi import SSEResponse
 from lockstep.utils.http import json_response, sse
@@ -65,7 +66,10 @@ class ResponsesServing:
         history = (self.store.conversation(owner, req.previous_response_id)
                    if req.previous_response_id else [])
         items = [*history, *input_items(req)]
-        run = await self.openai.prepare_chat(chat_request(req, items, req.stream))
+        try:
+            run = await self.openai.prepare_chat(chat_request(req, items, req.stream))
+        except RequestError as e:  # the chat path's 400, in this API's field names
+            raise renamed(e) from None
         base = self._in_progress(req)
         if req.stream:
             fan = await start_stream(self.openai.tm, run.singles, request)

@@ -6,6 +6,7 @@ Items are kept as JSON objects (what the store holds and /input_items lists), ea
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -124,7 +125,20 @@ def chat_request(req: ResponsesRequest, items: Sequence[Item], stream: bool
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        raise RequestError(format_validation_error(e)) from None
+        raise renamed(RequestError(format_validation_error(e))) from None
+
+
+# The chat request's names for what a Responses request calls otherwise: a 400 raised on the
+# chat path names the field the client sent.
+_FIELD_NAMES = (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+                ("messages", "input"))
+
+
+def renamed(error: RequestError) -> RequestError:
+    message = str(error)
+    for chat, ours in _FIELD_NAMES:
+        message = re.sub(rf"\b{chat}\b", ours, message)
+    return RequestError(message, error.status)
 
 
 def status_of(finish: str | None) -> tuple[Status, IncompleteDetails | None]:
