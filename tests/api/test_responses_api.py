@@ -232,9 +232,19 @@ agent = Agent(name="weather", instructions="Answer with the weather tool.", tool
                   base_url=base, api_key="none", max_retries=0)),
               model_settings=ModelSettings(tool_choice="get_weather", temperature=0,
                                            max_tokens=60))
-result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+
+async def both():  # one event loop: the client's connections belong to it
+    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+    run = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+    kinds = [e.type async for e in run.stream_events()]  # the same run, streamed
+    return result, run, kinds
+
+result, run, kinds = asyncio.run(both())
 out["agent_items"] = [type(i).__name__ for i in result.new_items]
 out["agent_final"] = result.final_output
+out["streamed_items"] = [type(i).__name__ for i in run.new_items]
+out["streamed_final"] = run.final_output
+out["streamed_deltas"] = kinds.count("raw_response_event")
 
 class City(BaseModel):
     name: str = Field(max_length=20)
@@ -272,9 +282,12 @@ def test_agents_sdk_and_langchain_run_unchanged(server, client, frameworks_pytho
 
     out = run_client(frameworks_python, FRAMEWORK_PROGRAM, server.url, tmp_path)
     # the Agents SDK: the forced call ran the tool, its output went back, the agent answered
-    assert len(out["calls"]) == 1 and out["calls"][0], out
+    assert out["calls"] and out["calls"][0], out
     assert out["agent_items"][:2] == ["ToolCallItem", "ToolCallOutputItem"], out
     assert out["agent_items"][-1] == "MessageOutputItem" and out["agent_final"], out
+    assert out["calls"] == [out["calls"][0]] * 2, out  # the streamed run called it the same
+    assert out["streamed_items"] == out["agent_items"], out
+    assert out["streamed_final"] == out["agent_final"] and out["streamed_deltas"] > 0, out
     # LangChain on the Responses API: text (whole and streamed), a tool call, an object
     chat = chat_reply(client, [{"role": "user", "content": "Say hello."}], max_tokens=64)
     assert out["lc_text"] == out["lc_streamed"] == chat.message.content, out

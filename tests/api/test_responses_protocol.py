@@ -256,3 +256,21 @@ def test_chat_path_errors_name_the_responses_fields():
     assert str(error) == ("a forced tool call cannot be combined with text.format; "
                           "max_output_tokens too large; input: bad")
     assert error.status == 400
+
+
+def test_each_api_key_has_its_own_store_owner():
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from lockstep.entrypoints.openai.responses.serving import owner_of
+
+    def owner(key: str | None, header: str) -> str:
+        scope = {"type": "http", "headers": [(b"authorization", header.encode())]}
+        return owner_of(Request(scope), SimpleNamespace(api_key=key))  # type: ignore[arg-type]
+
+    assert owner(None, "Bearer a") == owner(None, "") == ""  # no key: one store
+    assert owner("a", "Bearer a") != owner("a", "Bearer b")
+    key = "sk-secret-key"
+    assert owner(key, f"Bearer {key}") == owner(key, f"Bearer {key}")
+    assert key not in owner(key, f"Bearer {key}")  # the store never holds the key itself
