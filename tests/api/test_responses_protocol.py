@@ -245,6 +245,12 @@ def test_store_persists_atomically(tmp_path, monkeypatch):
     monkeypatch.undo()
     reloaded = ResponseStore(10, 1 << 20, path)
     assert len(reloaded) == 1 and reloaded.get("o", "a") == _stored("a")
+    # Writes finishing out of order: the older snapshot never replaces the newer file.
+    older = store.snapshot()
+    store.put("o", _stored("c"))
+    store.write(store.snapshot())
+    store.write(older)
+    assert len(ResponseStore(10, 1 << 20, path)) == 3
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot load"):
         ResponseStore(10, 1 << 20, path)

@@ -38,6 +38,8 @@ class ResponseStore:
         self._evicted: deque[tuple[str, str]] = deque(maxlen=_EVICTED_MEMORY)
         self._evicted_set: set[tuple[str, str]] = set()
         self._write_lock = threading.Lock()
+        self._version = 0  # counts changes: a write never replaces a newer snapshot's file
+        self._written = 0
         if path is not None and path.exists():
             self._load(path)
 
@@ -65,6 +67,7 @@ class ResponseStore:
         text = self._records.pop((owner, response_id), None)
         if text is None:
             raise self._not_found(owner, response_id)
+        self._version += 1
         self._bytes -= len(text)
 
     def conversation(self, owner: str, response_id: str) -> list[dict[str, Any]]:
@@ -73,6 +76,7 @@ class ResponseStore:
         return [*stored.items, *stored.response["output"]]
 
     def _insert(self, key: tuple[str, str], text: str) -> None:
+        self._version += 1
         self._records[key] = text
         self._bytes += len(text)
         while self._records and (len(self._records) > self.max_items
@@ -94,22 +98,28 @@ class ResponseStore:
 
     # -- persistence ----------------------------------------------------------------------------
 
-    def snapshot(self) -> bytes:
-        """The file's content now (taken on the event loop; written by `write` off it)."""
-        return (f'{{"version":{FORMAT_VERSION},"records":['.encode()
-                + ",".join(self._records.values()).encode() + b"]}")
+    def snapshot(self) -> tuple[int, bytes]:
+        """The file's content now, with its version (taken on the event loop; written by
+        `write` off it)."""
+        return self._version, (f'{{"version":{FORMAT_VERSION},"records":['.encode()
+                               + ",".join(self._records.values()).encode() + b"]}")
 
-    def write(self, content: bytes) -> None:
-        """Atomically replace the file with `content` (from `snapshot`)."""
+    def write(self, snapshot: tuple[int, bytes]) -> None:
+        """Atomically replace the file with a `snapshot`, unless a newer one is written
+        already (two writes may finish out of order)."""
+        version, content = snapshot
         if self.path is None:
             return
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         with self._write_lock:
+            if version <= self._written:
+                return
             with open(tmp, "wb") as f:
                 f.write(content)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
+            self._written = version
 
     def _load(self, path: Path) -> None:
         try:
