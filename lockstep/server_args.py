@@ -101,6 +101,15 @@ class ServerArgs:
     max_batch_size: int = flag(
         1024, "Most generations one HTTP request may fan out into (prompts x n); more get 400.",
         "server", min=1)
+    responses_store_max_items: int = flag(
+        1000, "Most responses /v1/responses keeps (store: true); past it the oldest is evicted.",
+        "server", min=1)
+    responses_store_max_bytes: int = flag(
+        64 * 1024 * 1024, "Most bytes of stored responses (JSON, conversations included); past "
+                          "it the oldest are evicted.", "server", min=1)
+    responses_store_file: str | None = flag(
+        None, "Keep the stored responses in this file across restarts (rewritten atomically "
+              "after each change).", "server")
     max_total_tokens: int | None = flag(None, "KV pool size in tokens.", "memory")
     mem_fraction_static: float = flag(
         0.2, "Share of free memory for the KV pool when --max-total-tokens is unset.", "memory")

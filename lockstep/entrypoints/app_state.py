@@ -14,6 +14,7 @@ from starlette.requests import Request
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.metrics import Metrics
 from lockstep.entrypoints.middleware import ServerStatus
+from lockstep.entrypoints.openai.responses.serving import ResponsesServing
 from lockstep.entrypoints.openai.serving import OpenAIServing
 from lockstep.entrypoints.tokenizer_manager import TokenizerManager
 from lockstep.server_args import ServerArgs
@@ -26,6 +27,7 @@ class AppState:
     launched: Launched
     tm: TokenizerManager
     openai: OpenAIServing
+    responses: ResponsesServing  # /v1/responses and its store
     metrics: Metrics
     status: ServerStatus
     started: float  # time.time() when the app was made: /server_info's uptime

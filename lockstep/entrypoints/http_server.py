@@ -13,12 +13,13 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
 from lockstep import __version__
-from lockstep.entrypoints import chat_page, native_routes, openai_routes
+from lockstep.entrypoints import chat_page, native_routes, openai_routes, responses_routes
 from lockstep.entrypoints.app_state import AppState
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
 from lockstep.entrypoints.metrics import Metrics
 from lockstep.entrypoints.middleware import GuardMiddleware, JSONRoute, ServerStatus
+from lockstep.entrypoints.openai.responses.serving import ResponsesServing
 from lockstep.entrypoints.openai.serving import OpenAIServing
 from lockstep.utils.http import ErrorResponse
 
@@ -27,6 +28,7 @@ from lockstep.utils.http import ErrorResponse
 ROUTERS: tuple[APIRouter, ...] = (
     native_routes.router,
     openai_routes.router,
+    responses_routes.router,  # /v1/responses
     chat_page.router,  # GET /: the chat page
 )
 
@@ -57,6 +59,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     app.add_middleware(GuardMiddleware, api_key=args.api_key,
                        max_body=args.max_request_body_bytes, status=status)
     app.state.server = AppState(launched=launched, tm=tm, openai=openai,
+                                responses=ResponsesServing(openai, args),
                                 metrics=Metrics(tm, openai.model_name), status=status,
                                 started=time.time())
     install_error_handlers(app)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
 from pathlib import Path
@@ -120,6 +121,16 @@ def chat_logprobs(entries: Entries, tops: Tops) -> ChatChoiceLogprobs:
         for e, top in zip(entries, tops)])
 
 
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat completion's generate requests, and how their outputs become choices: `whole`
+    for a final output, `step` for a stream's (the delta choices it adds)."""
+
+    singles: list[TokenizedGenerateReq]
+    whole: Callable[[int, GenerateOutput], ChatCompletionChoice]
+    step: Callable[[int, GenerateOutput], Iterator[ChatCompletionStreamChoice]]
+
+
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager, args: ServerArgs, info: dict[str, Any]) -> None:
         self.tm = tm
@@ -228,6 +239,13 @@ class OpenAIServing:
             lambda index, item: choice(index, item, item.text, _LogprobCursor()), step)
 
     async def chat(self, req: ChatCompletionRequest, request: Request | None) -> Response:
+        run = await self.prepare_chat(req)
+        return await self._respond(req, request, run.singles, "chatcmpl", ChatCompletionResponse,
+                                   ChatCompletionStreamResponse, run.whole, run.step)
+
+    async def prepare_chat(self, req: ChatCompletionRequest) -> ChatRun:
+        """A chat completion ready to run: the one path every chat-shaped API (this route,
+        /v1/responses) takes from messages to choices."""
         self.check_model(req.model)
         plan = self.tool_plan(req)
         ids, prompt = await self.render_chat_prompt(req, plan)
@@ -280,8 +298,7 @@ class OpenAIServing:
             if finish is not None:
                 yield piece(delta=DeltaMessage(), finish_reason=finish, matched_stop=matched)
 
-        return await self._respond(req, request, singles, "chatcmpl", ChatCompletionResponse,
-                                   ChatCompletionStreamResponse, whole, step)
+        return ChatRun(singles, whole, step)
 
     async def _respond(self, req: CompletionRequest | ChatCompletionRequest,
                        request: Request | None, singles: list[TokenizedGenerateReq], kind: str,
