@@ -30,6 +30,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     input_text: str | None = None
+    priority: int | None = None  # SGLang's; None: the server's default
     # The front process's own: logprob entries get their text; the sample's place in its request.
     return_text_in_logprobs: bool = False
     prompt_index: int = 0

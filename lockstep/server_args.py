@@ -111,6 +111,22 @@ class ServerArgs:
     schedule_policy: str = flag(
         "fcfs", "Order in which waiting requests are admitted (lpm: longest prefix match).",
         "scheduling", choices=list(SCHEDULE_POLICIES))
+    enable_priority_scheduling: bool = flag(
+        False, "Admit waiting requests by their `priority` first, then by --schedule-policy, and "
+               "let a request preempt (retract, to resume later with the same output) running "
+               "ones less urgent than it when KV or running slots are short. Without it a "
+               "request's priority is a 400.", "scheduling")
+    disable_priority_preemption: bool = flag(
+        False, "With priorities: order the queue by them but never preempt.", "scheduling")
+    schedule_low_priority_values_first: bool = flag(
+        False, "With priorities: a smaller value is more urgent (default: a larger one).",
+        "scheduling")
+    priority_scheduling_preemption_threshold: int = flag(
+        10, "With priorities: a request preempts only running ones less urgent than it by more "
+            "than this.", "scheduling", min=0)
+    default_priority_value: int | None = flag(
+        None, "With priorities: the priority of a request that gives none (default: the least "
+              "urgent there is).", "scheduling")
     chunked_prefill_size: int = flag(
         512, "Max prefill tokens per step; -1 disables chunking.", "scheduling")
     enable_mixed_chunk: bool = flag(

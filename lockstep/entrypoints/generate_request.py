@@ -114,6 +114,7 @@ class GenerateReqInput(StrictModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
+    priority: int | None = None  # with --enable-priority-scheduling (lockstep.managers.priority)
 
     @property
     def is_batch(self) -> bool:
@@ -156,7 +157,7 @@ class GenerateReqInput(StrictModel):
             rids=_per_prompt(self.rid, size) if self.rid is not None else None,
             return_logprob=_per_prompt(self.return_logprob, size), stream=self.stream,
             logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
-            return_text_in_logprobs=self.return_text_in_logprobs)
+            return_text_in_logprobs=self.return_text_in_logprobs, priority=self.priority)
 
 
 Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): one of them

@@ -54,7 +54,7 @@ SAMPLING_PARAMS: Table = {
 
 GENERATE: Table = {
     **_served("rid text input_ids sampling_params return_logprob logprob_start_len "
-              "top_logprobs_num return_text_in_logprobs stream"),
+              "top_logprobs_num return_text_in_logprobs stream priority"),
     **_off("/generate serves the one model; name none", "model"),  # sglang-router sends null
     **_off(_MM, "input_embeds image_data video_data audio_data mm_hashes mm_content_hashes "
            "video_config modalities positional_embed_overrides need_wait_for_mm_inputs "
@@ -83,7 +83,6 @@ GENERATE: Table = {
     **_off("no background requests", "background", False),
     **_off("no forced reasoning", "require_reasoning", False),
     **_off("no thinking budget", "max_thinking_tokens"),
-    **_off("no request priorities", "priority"),
     **_off("requests are logged as --log-level says", "no_logs", False),
     **_off("no custom metric labels", "custom_labels"),
     **_off("no token bytes", "return_bytes", False),
@@ -98,7 +97,7 @@ _OPENAI: Table = {
     **_served("model frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed "
               "stop stream stream_options temperature top_p user top_k min_p min_tokens regex "
               "ebnf repetition_penalty stop_token_ids stop_regex no_stop_trim ignore_eos "
-              "skip_special_tokens response_format"),
+              "skip_special_tokens response_format priority"),
     **_off(_PD, "bootstrap_host bootstrap_port bootstrap_room disagg_prefill_dp_rank"),
     **_off(_ROUTING, "routed_dp_rank data_parallel_rank rid extra_key cache_salt"),
     **_off("no hidden states", "return_hidden_states", False),
@@ -112,7 +111,6 @@ _OPENAI: Table = {
     **_off("no custom logit processors", "custom_params custom_logit_processor"),
     **_off("no watermarking", "watermark"),
     **_off(_MM, "images_config mm_processor_kwargs"),
-    **_off("no request priorities", "priority"),
     **_off("no custom metric labels", "custom_labels"),
 }
 

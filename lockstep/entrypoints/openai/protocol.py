@@ -118,6 +118,7 @@ class _OpenAIRequest(StrictModel):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    priority: int | None = None  # with --enable-priority-scheduling (lockstep.managers.priority)
 
     _sampling_params: SamplingParams = PrivateAttr()
 
