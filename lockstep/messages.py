@@ -31,6 +31,7 @@ class TokenizedGenerateReq:
     stream: bool = False
     input_text: str | None = None
     priority: int | None = None  # SGLang's; None: the server's default
+    routed_dp_rank: int | None = None  # SGLang's: the data-parallel replica that must serve it
     # The front process's own: logprob entries get their text; the sample's place in its request.
     return_text_in_logprobs: bool = False
     prompt_index: int = 0
@@ -109,6 +110,8 @@ class LoadReport:
     running: int
     queued: int
     tokens_in_use: int
+    queued_tokens: int = 0  # prompt tokens admitted or waiting whose KV is not computed yet
+    received: int = 0  # generate requests the replica has read: which dispatches this report saw
 
 
 def encode(msg: Any) -> bytes:

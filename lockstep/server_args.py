@@ -21,7 +21,8 @@ from lockstep.utils.flags import add_flags, below_min, flag
 from lockstep.utils.process import free_port
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "total_requests",
+                        "total_tokens", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,11 @@ class ServerArgs:
               "(docs/benchmarks.md, \"Pipeline micro-batches\").", "parallelism", min=1)
     dp_size: int = flag(1, "Data-parallel replicas.", "parallelism", min=1)
     load_balance_method: str = flag(
-        "round_robin", "How the data-parallel controller picks a replica.", "parallelism",
+        "round_robin", "How the data-parallel controller picks a replica: in turn (round_robin), "
+                       "or the one with the least load its replicas report (total_requests, "
+                       "also shortest_queue: running + queued requests; total_tokens: KV in use + "
+                       "prompt tokens still to compute; minimum_tokens: KV in use), or by prefix "
+                       "affinity (cache_aware).", "parallelism",
         choices=list(LOAD_BALANCE_METHODS))
     dp_cache_threshold: float = flag(
         0.5, "cache_aware: prefix match rate above which affinity wins.", "parallelism")

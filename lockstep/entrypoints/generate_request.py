@@ -90,13 +90,36 @@ class StrictModel(BaseModel):
         return null_means_unset_schema(core_schema, handler)
 
 
+class SchedulingFields(StrictModel):
+    """How a request is scheduled, on /generate and the OpenAI routes alike: its priority (with
+    --enable-priority-scheduling, lockstep.managers.priority) and the data-parallel replica it
+    must run on (SGLang's routed_dp_rank, or its older name data_parallel_rank)."""
+
+    priority: int | None = None
+    routed_dp_rank: int | None = Field(None, ge=0)
+    data_parallel_rank: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_replica(self) -> SchedulingFields:
+        if None not in (self.routed_dp_rank, self.data_parallel_rank) and (
+                self.routed_dp_rank != self.data_parallel_rank):
+            raise ValueError("routed_dp_rank and data_parallel_rank name different replicas; "
+                             "send one of them")
+        return self
+
+    def scheduling(self) -> dict[str, Any]:
+        """The TokenizedGenerateReq fields these set (fan_out's keywords)."""
+        dp = self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
+        return {"priority": self.priority, "routed_dp_rank": dp}
+
+
 # SGLang's sampling params that lockstep does not serve are checked and dropped first.
 _Sampling = Annotated[SamplingParams, BeforeValidator(partial(drop_off_fields, SAMPLING_PARAMS))]
 SamplingParamsInput = shaped({"dict": _Sampling, "list": list[_Sampling]},
                              "an object or a list of objects")
 
 
-class GenerateReqInput(StrictModel):
+class GenerateReqInput(SchedulingFields):
     """Body of SGLang's native /generate."""
 
     _sglang_fields = GENERATE
@@ -114,7 +137,6 @@ class GenerateReqInput(StrictModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
-    priority: int | None = None  # with --enable-priority-scheduling (lockstep.managers.priority)
 
     @property
     def is_batch(self) -> bool:
@@ -157,7 +179,7 @@ class GenerateReqInput(StrictModel):
             rids=_per_prompt(self.rid, size) if self.rid is not None else None,
             return_logprob=_per_prompt(self.return_logprob, size), stream=self.stream,
             logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
-            return_text_in_logprobs=self.return_text_in_logprobs, priority=self.priority)
+            return_text_in_logprobs=self.return_text_in_logprobs, **self.scheduling())
 
 
 Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): one of them

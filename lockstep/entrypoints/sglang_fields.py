@@ -36,7 +36,7 @@ def _off(why: str, names: str, *values: Any) -> dict[str, Off]:
 
 _MM = "text-only: no multimodal inputs"
 _PD = "no prefill/decode disaggregation"
-_ROUTING = "no per-request routing or cache keys"
+_ROUTING = "no routing or cache keys beyond routed_dp_rank"
 _FLAT = "no flat raw logprobs"
 _EXPERTS = "no mixture-of-experts routing output"
 _IDS = "no token ids in OpenAI replies (use /generate)"
@@ -54,7 +54,8 @@ SAMPLING_PARAMS: Table = {
 
 GENERATE: Table = {
     **_served("rid text input_ids sampling_params return_logprob logprob_start_len "
-              "top_logprobs_num return_text_in_logprobs stream priority"),
+              "top_logprobs_num return_text_in_logprobs stream priority routed_dp_rank "
+              "data_parallel_rank"),
     **_off("/generate serves the one model; name none", "model"),  # sglang-router sends null
     **_off(_MM, "input_embeds image_data video_data audio_data mm_hashes mm_content_hashes "
            "video_config modalities positional_embed_overrides need_wait_for_mm_inputs "
@@ -78,8 +79,7 @@ GENERATE: Table = {
     **_off("no custom logit processors", "custom_logit_processor"),
     **_off(_PD, "bootstrap_host bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size "
            "disagg_prefill_dp_rank"),
-    **_off(_ROUTING, "routed_dp_rank data_parallel_rank routing_key conversation_id extra_key "
-           "cache_salt kv_hints http_worker_ipc"),
+    **_off(_ROUTING, "routing_key conversation_id extra_key cache_salt kv_hints http_worker_ipc"),
     **_off("no background requests", "background", False),
     **_off("no forced reasoning", "require_reasoning", False),
     **_off("no thinking budget", "max_thinking_tokens"),
@@ -97,9 +97,9 @@ _OPENAI: Table = {
     **_served("model frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed "
               "stop stream stream_options temperature top_p user top_k min_p min_tokens regex "
               "ebnf repetition_penalty stop_token_ids stop_regex no_stop_trim ignore_eos "
-              "skip_special_tokens response_format priority"),
+              "skip_special_tokens response_format priority routed_dp_rank data_parallel_rank"),
     **_off(_PD, "bootstrap_host bootstrap_port bootstrap_room disagg_prefill_dp_rank"),
-    **_off(_ROUTING, "routed_dp_rank data_parallel_rank rid extra_key cache_salt"),
+    **_off(_ROUTING, "rid extra_key cache_salt"),
     **_off("no hidden states", "return_hidden_states", False),
     **_off(_EXPERTS, "return_routed_experts", False),
     **_off(_EXPERTS, "routed_experts_start_len", 0),

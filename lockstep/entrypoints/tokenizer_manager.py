@@ -203,6 +203,10 @@ class TokenizerManager:
         if limit is not None and len(self.states) >= limit + running:
             raise RequestError(f"the server is full: {len(self.states)} requests in flight "
                                f"(--max-queued-requests {limit}); retry later", status=503)
+        dp = req.routed_dp_rank
+        if dp is not None and not 0 <= dp < self.args.dp_size:
+            raise RequestError(f"routed_dp_rank: {dp} names no replica; this server has "
+                               f"{self.args.dp_size} (--dp-size)")
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in use")

@@ -1,11 +1,15 @@
 """The data-parallel controller: one process in front of dp_size replicas. It reads the
-tokenizer manager's inputs and sends each request to one replica by the load-balance method;
-replicas report their load back, so dispatch follows real queues rather than guesses."""
+tokenizer manager's inputs and sends each request to one replica by the load-balance method, or
+to the one it names (`routed_dp_rank`). Each replica's input rank reports its load after a step
+whenever it changed (lockstep.messages.LoadReport: running and queued requests, KV in use, prompt
+tokens still to compute, and how many requests it has read); the controller adds what it sent
+that the report has not seen yet, so dispatch follows the replicas' real queues, and a burst sent
+between two reports is not all counted as nothing (SGLang's DPBudget)."""
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import takewhile
 from multiprocessing.connection import Connection
@@ -39,13 +43,34 @@ class ReplicaState:
     running: int = 0
     queued: int = 0
     tokens_in_use: int = 0
-    sent_since_report: int = 0  # dispatched after the last report: counted as load too
+    queued_tokens: int = 0
+    sent: int = 0  # requests dispatched here in all
+    # Prompt lengths of the requests dispatched here that the last report had not seen: counted
+    # as load too (the budget a burst spends before the replica's next report).
+    unseen: deque = field(default_factory=deque)
     # Approximate prefix index of what was sent here: hash chain of 16-token blocks, LRU-bounded.
     blocks: OrderedDict = field(default_factory=OrderedDict)
 
     @property
     def load(self) -> int:
-        return self.running + self.queued + self.sent_since_report
+        """Requests: running, queued, and sent but not yet seen."""
+        return self.running + self.queued + len(self.unseen)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens: KV in use, prompts still to compute, and prompts sent but not yet seen."""
+        return self.tokens_in_use + self.queued_tokens + sum(self.unseen)
+
+
+# Each load-balance method that picks the replica with the least of something: what it counts.
+# total_requests and total_tokens are SGLang's names for its DPBudget methods; shortest_queue is
+# the older name of total_requests, minimum_tokens counts KV in use only.
+LEAST = {
+    "shortest_queue": lambda s: s.load,
+    "total_requests": lambda s: s.load,
+    "minimum_tokens": lambda s: (s.tokens_in_use, s.load),
+    "total_tokens": lambda s: (s.tokens, s.load),
+}
 
 
 class Dispatcher:
@@ -60,21 +85,26 @@ class Dispatcher:
 
     def report(self, r: LoadReport) -> None:
         s = self.replicas[r.dp_rank]
-        s.running, s.queued, s.tokens_in_use, s.sent_since_report = r.running, r.queued, r.tokens_in_use, 0
+        s.running, s.queued, s.tokens_in_use, s.queued_tokens = (
+            r.running, r.queued, r.tokens_in_use, r.queued_tokens)
+        while len(s.unseen) > s.sent - r.received:  # the oldest are those it has read
+            s.unseen.popleft()
 
     def choose(self, req: TokenizedGenerateReq) -> int:
-        if self.method == "round_robin":
+        if req.routed_dp_rank is not None:  # checked against dp_size by the front
+            target = req.routed_dp_rank
+        elif self.method == "round_robin":
             target = self.next_rr
             self.next_rr = (self.next_rr + 1) % len(self.replicas)
-        elif self.method == "shortest_queue":
-            target = self._least(lambda s: s.load)
-        elif self.method == "minimum_tokens":
-            target = self._least(lambda s: (s.tokens_in_use, s.load))
+        elif self.method in LEAST:
+            target = self._least(LEAST[self.method])
         elif self.method == "cache_aware":
             target = self._cache_aware(req.input_ids)
         else:
             raise ValueError(f"unknown load-balance method {self.method!r}")
-        self.replicas[target].sent_since_report += 1
+        s = self.replicas[target]
+        s.sent += 1
+        s.unseen.append(len(req.input_ids or ()))
         return target
 
     def _least(self, key) -> int:

@@ -194,11 +194,14 @@ class Scheduler:
         self._release(req)
         self.outputs.finished(req, reason)
 
-    def load(self) -> tuple[int, int, int]:
-        """(running, queued, KV tokens in use) for the DP controller's dispatch."""
+    def load(self) -> tuple[int, int, int, int]:
+        """(running, queued, KV tokens in use, prompt tokens still to compute): the DP
+        controller's dispatch (lockstep.messages.LoadReport)."""
         used = self.max_total_tokens - self.allocator.available_size() - self.tree.evictable_size()
         running = len(self.running) + (1 if self.chunked_req else 0)
-        return running, len(self.waiting) + len(self.grammar_queue), used
+        pending = [*self.waiting, *self.grammar_queue, *([self.chunked_req] if self.chunked_req else [])]
+        return (running, len(self.waiting) + len(self.grammar_queue), used,
+                sum(r.seq_len - r.kv.cached_len for r in pending))
 
     def is_idle(self) -> bool:
         return not self.grammar_queue and self._no_batch_work()
