@@ -16,6 +16,18 @@ from lockstep.core import FINISH_ABORT, BaseFinishReason, TokenLogprob
 from lockstep.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class SessionParams:
+    """SGLang's session_params: the request continues request `rid` of session `id`
+    (lockstep.entrypoints.session_controller, in the front process)."""
+
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
 @dataclass
 class TokenizedGenerateReq:
     """One prompt, one sample: the front process's single request (its routes fan a batch and n
@@ -36,6 +48,7 @@ class TokenizedGenerateReq:
     return_text_in_logprobs: bool = False
     prompt_index: int = 0
     sample_index: int = 0
+    session_params: SessionParams | None = None
 
 
 @dataclass

@@ -55,7 +55,7 @@ SAMPLING_PARAMS: Table = {
 GENERATE: Table = {
     **_served("rid text input_ids sampling_params return_logprob logprob_start_len "
               "top_logprobs_num return_text_in_logprobs stream priority routed_dp_rank "
-              "data_parallel_rank"),
+              "data_parallel_rank session_params"),
     **_off("/generate serves the one model; name none", "model"),  # sglang-router sends null
     **_off(_MM, "input_embeds image_data video_data audio_data mm_hashes mm_content_hashes "
            "video_config modalities positional_embed_overrides need_wait_for_mm_inputs "
@@ -63,7 +63,7 @@ GENERATE: Table = {
            "image_max_dynamic_patch video_max_dynamic_patch images_config mm_processor_kwargs "
            "multi_item_delimiter_indices token_indices_to_pool"),
     **_off(_MM, "use_audio_in_video", False),
-    **_off("no sessions", "session_id session_params"),
+    **_off("a session is named in session_params.id", "session_id"),
     **_off("no watermarking", "watermark"),
     **_off("no logprobs of chosen token ids; use top_logprobs_num", "token_ids_logprob"),
     **_off("no sampling masks", "return_sampling_mask", False),
@@ -107,7 +107,7 @@ _OPENAI: Table = {
            "return_cached_tokens_details return_spec_tokens_details", False),
     **_off(_IDS, "return_token_ids", False),
     **_off("no LoRA adapters", "lora_path"),
-    **_off("no sessions", "session_id session_params"),
+    **_off("sessions are served on /generate", "session_id session_params"),
     **_off("no custom logit processors", "custom_params custom_logit_processor"),
     **_off("no watermarking", "watermark"),
     **_off(_MM, "images_config mm_processor_kwargs"),

@@ -58,20 +58,31 @@ def test_routed_dp_rank_pins_on_a_live_dp2_server(model_dir: Path, tmp_path: Pat
     srv = LiveServer("--model-path", str(model_dir), "--dp-size", "2", "--max-total-tokens", "2048",
                      "--load-balance-method", "total_tokens", log_dir=tmp_path, startup_timeout=180)
     try:
-        def gen(**extra):
+        def post(**extra):
             return requests.post(srv.url + "/generate", json={
                 "input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 2}, **extra},
                 timeout=60)
 
+        def gen(**extra):
+            r = post(**extra)
+            assert r.status_code == 200, r.text
+            return r.json()
+
         for pin, name in ((1, "routed_dp_rank"), (0, "data_parallel_rank"), (1, "data_parallel_rank")):
-            ranks = Counter(gen(**{name: pin}).json()["meta_info"]["dp_rank"] for _ in range(4))
+            ranks = Counter(gen(**{name: pin})["meta_info"]["dp_rank"] for _ in range(4))
             assert ranks == {pin: 4}, (name, ranks)
+        # A session's next turn runs where the turn it continues ran (its KV is there).
+        sid = requests.post(srv.url + "/open_session", json={"capacity_of_str_len": 1000}).json()
+        one = gen(routed_dp_rank=1, session_params={"id": sid}, input_ids=list(range(10, 90)))
+        two = gen(session_params={"id": sid, "rid": one["meta_info"]["id"]})
+        assert one["meta_info"]["dp_rank"] == two["meta_info"]["dp_rank"] == 1
+        assert two["meta_info"]["cached_tokens"] >= 80
         r = requests.post(srv.url + "/v1/completions", json={
             "prompt": [5, 6, 7], "max_tokens": 2, "routed_dp_rank": 1}, timeout=60)
         assert r.status_code == 200, r.text
         for bad in ({"routed_dp_rank": 2}, {"routed_dp_rank": -1},
                     {"routed_dp_rank": 0, "data_parallel_rank": 1}):
-            r = gen(**bad)
+            r = post(**bad)
             assert r.status_code == 400 and "rank" in r.text, (bad, r.text)
         assert srv.alive()
     finally:
