@@ -1,5 +1,6 @@
 """The wire messages between processes, grouped by direction, and the one serializer they all
-go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq; a replica's input
+go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq (and, to the DP
+controller only, ReplicaChange); a replica's input
 rank -> its every rank (in the broadcast inputs): GrammarsReady; scheduler -> detokenizer:
 BatchTokenIDOut (and FlushCacheOut, passed through); detokenizer -> front: BatchStrOut;
 scheduler -> DP controller: LoadReport."""
@@ -63,6 +64,18 @@ class AbortReq:
 @dataclass
 class FlushCacheReq:
     pass
+
+
+@dataclass
+class ReplicaChange:
+    """front -> DP controller, for replicas added and removed while serving
+    (lockstep.entrypoints.elastic): `add` connects to a started replica's input (`input_ipc`)
+    without dispatching to it; `activate` dispatches to it; `remove` stops dispatching to it
+    (what it runs drains); `retire` forgets it once it has drained and stopped."""
+
+    op: str  # add | activate | remove | retire
+    dp_rank: int
+    input_ipc: str = ""
 
 
 @dataclass

@@ -13,8 +13,15 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
 from lockstep import __version__
-from lockstep.entrypoints import chat_page, native_routes, openai_routes, session_routes
+from lockstep.entrypoints import (
+    admin_routes,
+    chat_page,
+    native_routes,
+    openai_routes,
+    session_routes,
+)
 from lockstep.entrypoints.app_state import AppState
+from lockstep.entrypoints.elastic import ElasticReplicas
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
 from lockstep.entrypoints.metrics import Metrics
@@ -28,6 +35,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     native_routes.router,
     openai_routes.router,
     session_routes.router,  # /open_session, /close_session
+    admin_routes.router,  # /admin/replicas: replicas added and removed while serving
     chat_page.router,  # GET /: the chat page
 )
 
@@ -59,7 +67,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
                        max_body=args.max_request_body_bytes, status=status)
     app.state.server = AppState(launched=launched, tm=tm, openai=openai,
                                 metrics=Metrics(tm, openai.model_name), status=status,
-                                started=time.time())
+                                started=time.time(), elastic=ElasticReplicas(launched))
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -130,6 +130,9 @@ class TokenizerManager:
         self.to_scheduler = zmq_socket(self.ctx, zmq.PUSH, ports.scheduler_input_ipc)
         self.from_detokenizer = zmq_socket(self.ctx, zmq.PULL, ports.tokenizer_ipc)
         self.states: dict[str, ReqState] = {}
+        # Each data-parallel replica's state, by dp_rank: active, or, while the server runs,
+        # warming / draining / retired (lockstep.entrypoints.elastic).
+        self.replicas: list[str] = ["active"] * args.dp_size
         self.sessions = SessionController()  # /open_session, a request's session_params
         self.control_waiters: list[asyncio.Future] = []
         # Called with (state, output, now) on every output, before the state takes it in.
@@ -200,14 +203,16 @@ class TokenizerManager:
         ids = (list(req.input_ids) if req.input_ids is not None
                else await self.tokenize_text(req.input_text or ""))
         limit = self.args.max_queued_requests
-        running = self.args.max_running_requests * self.args.dp_size
+        running = self.args.max_running_requests * self.replicas.count("active")
         if limit is not None and len(self.states) >= limit + running:
             raise RequestError(f"the server is full: {len(self.states)} requests in flight "
                                f"(--max-queued-requests {limit}); retry later", status=503)
         dp = req.routed_dp_rank
-        if dp is not None and not 0 <= dp < self.args.dp_size:
-            raise RequestError(f"routed_dp_rank: {dp} names no replica; this server has "
-                               f"{self.args.dp_size} (--dp-size)")
+        if dp is not None and not (0 <= dp < len(self.replicas)
+                                   and self.replicas[dp] in ("active", "warming")):
+            live = [i for i, s in enumerate(self.replicas) if s == "active"]
+            raise RequestError(f"routed_dp_rank: {dp} names no replica taking requests; "
+                               f"this server's are {live}")
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in use")
@@ -294,7 +299,8 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheOut:
         self.start()
         # Every data-parallel replica answers; the flush succeeds only if all of them did.
-        futs = [asyncio.get_running_loop().create_future() for _ in range(self.args.dp_size)]
+        live = sum(s != "retired" for s in self.replicas)
+        futs = [asyncio.get_running_loop().create_future() for _ in range(live)]
         self.control_waiters.extend(futs)
         await self.to_scheduler.send(encode(FlushCacheReq()))
         replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=60)

@@ -21,6 +21,7 @@ from lockstep.messages import (
     AbortReq,
     FlushCacheReq,
     LoadReport,
+    ReplicaChange,
     TokenizedGenerateReq,
     decode,
     encode,
@@ -50,6 +51,7 @@ class ReplicaState:
     unseen: deque = field(default_factory=deque)
     # Approximate prefix index of what was sent here: hash chain of 16-token blocks, LRU-bounded.
     blocks: OrderedDict = field(default_factory=OrderedDict)
+    active: bool = True  # dispatched to; a replica added while serving starts inactive (warming)
 
     @property
     def load(self) -> int:
@@ -84,6 +86,8 @@ class Dispatcher:
         self.next_rr = 0
 
     def report(self, r: LoadReport) -> None:
+        if r.dp_rank >= len(self.replicas):  # a replica started, not yet added: nothing sent
+            return
         s = self.replicas[r.dp_rank]
         s.running, s.queued, s.tokens_in_use, s.queued_tokens = (
             r.running, r.queued, r.tokens_in_use, r.queued_tokens)
@@ -91,11 +95,12 @@ class Dispatcher:
             s.unseen.popleft()
 
     def choose(self, req: TokenizedGenerateReq) -> int:
-        if req.routed_dp_rank is not None:  # checked against dp_size by the front
+        if req.routed_dp_rank is not None:  # checked against the live replicas by the front
             target = req.routed_dp_rank
         elif self.method == "round_robin":
-            target = self.next_rr
-            self.next_rr = (self.next_rr + 1) % len(self.replicas)
+            live = self.active()
+            target = next((i for i in live if i >= self.next_rr), live[0])
+            self.next_rr = target + 1
         elif self.method in LEAST:
             target = self._least(LEAST[self.method])
         elif self.method == "cache_aware":
@@ -107,18 +112,22 @@ class Dispatcher:
         s.unseen.append(len(req.input_ids or ()))
         return target
 
+    def active(self) -> list[int]:
+        return [i for i, s in enumerate(self.replicas) if s.active]
+
     def _least(self, key) -> int:
-        return min(range(len(self.replicas)), key=lambda i: (key(self.replicas[i]), i))
+        return min(self.active(), key=lambda i: (key(self.replicas[i]), i))
 
     def _cache_aware(self, ids: list[int]) -> int:
         chain, h = [], 0  # a hash per whole block, each covering every block before it
         for i in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
             h = hash((h, tuple(ids[i:i + BLOCK])))
             chain.append(h)
+        live = [self.replicas[i] for i in self.active()]
         matched = [sum(1 for _ in takewhile(s.blocks.__contains__, chain)) * BLOCK / max(1, len(ids))
-                   for s in self.replicas]
-        target, _why = self.rule.choose([s.load for s in self.replicas], matched,
-                                        [len(s.blocks) for s in self.replicas])
+                   for s in live]
+        pick, _why = self.rule.choose([s.load for s in live], matched, [len(s.blocks) for s in live])
+        target = self.active()[pick]
         blocks = self.replicas[target].blocks  # what is sent there is (soon) cached there
         for h in chain:
             blocks[h] = None
@@ -135,7 +144,7 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
         ctx = zmq.Context()
         inputs = zmq_socket(ctx, zmq.PULL, ports.scheduler_input_ipc)
         loads = zmq_socket(ctx, zmq.PULL, ports.dp_load_ipc)
-        outs = [zmq_socket(ctx, zmq.PUSH, addr) for addr in replica_inputs]
+        outs: list[zmq.Socket | None] = [zmq_socket(ctx, zmq.PUSH, a) for a in replica_inputs]
         dispatcher = Dispatcher(args.load_balance_method, args.dp_size, args.dp_cache_threshold,
                                 args.dp_balance_abs_threshold, args.dp_balance_rel_threshold)
     pipe.send({"status": "ready"})
@@ -151,12 +160,30 @@ def run_data_parallel_controller(args: ServerArgs, ports: PortArgs, replica_inpu
             msg = decode(inputs.recv()) if inputs in ready else None
             for report in recv_all(loads):  # before routing: whatever arrived until now counts
                 dispatcher.report(report)
-            if msg is not None:
+            if isinstance(msg, ReplicaChange):
+                _change(msg, dispatcher, outs, ctx)
+            elif msg is not None:
                 _route(msg, dispatcher, outs, owner)
             watchdog.step_done(False)
 
 
-def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket], owner: OrderedDict) -> None:
+def _change(msg: ReplicaChange, dispatcher: Dispatcher, outs: list[zmq.Socket | None],
+            ctx: zmq.Context) -> None:
+    """A replica added, put to work, taken off dispatch, or forgotten (entrypoints/elastic.py)."""
+    if msg.op == "add":
+        outs.append(zmq_socket(ctx, zmq.PUSH, msg.input_ipc))
+        dispatcher.replicas.append(ReplicaState(active=False))
+    elif msg.op in ("activate", "remove"):
+        dispatcher.replicas[msg.dp_rank].active = msg.op == "activate"
+    elif msg.op == "retire":  # its processes are gone: nothing may queue for it
+        sock, outs[msg.dp_rank] = outs[msg.dp_rank], None
+        if sock is not None:
+            sock.close(linger=0)
+    logger.info("replica %d: %s", msg.dp_rank, msg.op)
+
+
+def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket | None],
+           owner: OrderedDict) -> None:
     if isinstance(msg, TokenizedGenerateReq):
         target = dispatcher.choose(msg)
         owner[msg.rid] = target
@@ -164,9 +191,11 @@ def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket], owner: Orde
             owner.popitem(last=False)
         outs[target].send(encode(msg))
     elif isinstance(msg, AbortReq) and msg.rid in owner:
-        outs[owner[msg.rid]].send(encode(msg))
+        if (sock := outs[owner[msg.rid]]) is not None:
+            sock.send(encode(msg))
     elif isinstance(msg, (AbortReq, FlushCacheReq)):
         for s in outs:
-            s.send(encode(msg))
+            if s is not None:
+                s.send(encode(msg))
     else:
         logger.error("DP controller ignored %s", type(msg).__name__)
