@@ -34,8 +34,8 @@ def workload(args: argparse.Namespace) -> list[tuple[float, list[int]]]:
     """(arrival offset in s, prompt ids) per request: the same for every method."""
     rng = random.Random(args.seed)
     t, out = 0.0, []
-    for i in range(args.requests):
-        n = args.long_len if i % args.long_every == args.long_every // 2 else args.short_len
+    for _ in range(args.requests):  # long ones at random places (a fixed period would line
+        n = args.long_len if rng.random() < 1 / args.long_every else args.short_len  # up with RR)
         out.append((t, [rng.randrange(100, 20000) for _ in range(n)]))
         t += rng.expovariate(args.rate)
     return out
@@ -96,7 +96,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", default=["round_robin", "shortest_queue", "total_tokens"])
     p.add_argument("--requests", type=int, default=60)
-    p.add_argument("--long-every", type=int, default=6, help="one prompt in this many is long")
+    p.add_argument("--long-every", type=int, default=6,
+                   help="one prompt in this many is long, on average")
     p.add_argument("--long-len", type=int, default=2048)
     p.add_argument("--short-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=8)

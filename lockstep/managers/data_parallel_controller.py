@@ -59,19 +59,22 @@ class ReplicaState:
         return self.running + self.queued + len(self.unseen)
 
     @property
-    def tokens(self) -> int:
-        """Tokens: KV in use, prompts still to compute, and prompts sent but not yet seen."""
-        return self.tokens_in_use + self.queued_tokens + sum(self.unseen)
+    def backlog(self) -> int:
+        """Prompt tokens still to compute here, of what it holds and what it has not seen yet:
+        the prefill a request sent here now waits for before its first token."""
+        return self.queued_tokens + sum(self.unseen)
 
 
 # Each load-balance method that picks the replica with the least of something: what it counts.
 # total_requests and total_tokens are SGLang's names for its DPBudget methods; shortest_queue is
-# the older name of total_requests, minimum_tokens counts KV in use only.
+# the older name of total_requests, minimum_tokens counts KV in use only. total_tokens counts the
+# prompt tokens still to compute first, KV in use second: a long prompt's KV costs a decoding
+# request little more per step, but its prefill holds up every request queued behind it.
 LEAST = {
     "shortest_queue": lambda s: s.load,
     "total_requests": lambda s: s.load,
     "minimum_tokens": lambda s: (s.tokens_in_use, s.load),
-    "total_tokens": lambda s: (s.tokens, s.load),
+    "total_tokens": lambda s: (s.backlog, s.tokens_in_use, s.load),
 }
 
 

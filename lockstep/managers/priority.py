@@ -98,17 +98,18 @@ class PriorityRule:
         """Retract running requests less urgent than `req` so that it fits: the room that made
         (KV free or evictable, less what the running requests reserve), or None if it could
         not."""
-        if not self.preempts:
-            return None
-
         def room() -> int:
             free = sched.allocator.available_size() + sched.tree.evictable_size()
             return free - sum(map(sched.future_tokens, sched.running))
 
+        def frees(r: Req) -> int:
+            return r.kv.device_len + sched.future_tokens(r)
+
+        if not self.victims(req, sched.running, tokens_short, slot_short, frees):
+            return None  # nobody to preempt: a batch in flight is left to run on
         before = room()
         sched.loop.resolve()  # the victims' outputs must be real before they are retracted
-        chosen = self.victims(req, sched.running, tokens_short, slot_short,
-                              lambda r: r.kv.device_len + sched.future_tokens(r))
+        chosen = self.victims(req, sched.running, tokens_short, slot_short, frees)
         for victim in chosen:
             sched.retract(victim)
         return room() - before if chosen else None

@@ -22,19 +22,22 @@ def _req(rid: str, n: int, pin: int | None = None) -> TokenizedGenerateReq:
 
 def test_total_tokens_counts_reported_backlog_and_unseen_dispatches():
     d = Dispatcher("total_tokens", 2)
-    # Replica 0 reports a 2,048-token prompt still to prefill; replica 1 holds more KV in use but
-    # has nothing left to compute: the budget is the sum.
+    # Replica 0 reports a 2,048-token prompt still to prefill; replica 1 holds more KV in use (a
+    # long request decoding) but has nothing left to compute: a new request waits less there.
     d.report(LoadReport(0, running=1, queued=1, tokens_in_use=100, queued_tokens=2048))
-    d.report(LoadReport(1, running=3, queued=0, tokens_in_use=900, queued_tokens=0))
+    d.report(LoadReport(1, running=3, queued=0, tokens_in_use=2900, queued_tokens=0))
     assert [d.choose(_req(f"s{i}", 100)) for i in range(3)] == [1, 1, 1]
-    # 3 x 100 sent to replica 1 and not yet seen: 1,200 < 2,148, still replica 1; a long one
-    # tips it over.
+    # 3 x 100 sent to replica 1 and not yet seen: a backlog of 300 < 2,048, still replica 1; a
+    # long one tips it over.
     assert d.choose(_req("long", 2048)) == 1
     assert d.choose(_req("next", 10)) == 0
-    # Replica 1's report has seen 2 of its 4: the other two still count.
-    d.report(LoadReport(1, running=5, queued=0, tokens_in_use=1300, queued_tokens=0, received=2))
+    # Replica 1's report has seen 2 of its 4 (and computed them): the other two still count.
+    d.report(LoadReport(1, running=5, queued=0, tokens_in_use=3100, queued_tokens=0, received=2))
     assert list(d.replicas[1].unseen) == [100, 2048]
-    assert d.replicas[1].tokens == 1300 + 2148
+    assert d.replicas[1].backlog == 2148
+    # Equal backlogs: the one with less KV in use.
+    d.report(LoadReport(0, running=1, queued=0, tokens_in_use=100, queued_tokens=2148, received=1))
+    assert d.choose(_req("tie", 0)) == 0
 
 
 def test_total_requests_is_the_queue_the_replicas_report():
