@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -76,9 +77,9 @@ def run(method: str, args: argparse.Namespace, load: list[tuple[float, list[int]
             await drive(tm, [(0.0, [100 + i for i in range(16)])] * 2, 2)  # both replicas warm
             return await drive(tm, load, args.output_len)
 
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
         res = asyncio.run(warm_then_drive())
-        wall = time.perf_counter() - t0
+        wall, load1 = time.perf_counter() - t0, os.getloadavg()[0]
     finally:
         launched.shutdown()
     ttft = [r["ttft"] for r in res]
@@ -89,7 +90,8 @@ def run(method: str, args: argparse.Namespace, load: list[tuple[float, list[int]
             "ttft_p99_s": round(pct(ttft, 99), 3),
             "short_ttft_p99_s": round(pct(short, 99), 3),
             "e2e_median_s": round(statistics.median(r["e2e"] for r in res), 3),
-            "long_prompts_by_replica": [longs.count(0), longs.count(1)]}
+            "long_prompts_by_replica": [longs.count(0), longs.count(1)],
+            "loadavg_before_after": [load0, load1]}  # the machine is shared: how busy it was
 
 
 def main() -> None:

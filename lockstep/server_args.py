@@ -187,8 +187,8 @@ class ServerArgs:
     load_balance_method: str = flag(
         "round_robin", "How the data-parallel controller picks a replica: in turn (round_robin), "
                        "or the one with the least load its replicas report (total_requests, "
-                       "also shortest_queue: running + queued requests; total_tokens: KV in use + "
-                       "prompt tokens still to compute; minimum_tokens: KV in use), or by prefix "
+                       "also shortest_queue: running + queued requests; total_tokens: prompt tokens "
+                       "still to compute, then KV in use; minimum_tokens: KV in use), or by prefix "
                        "affinity (cache_aware).", "parallelism",
         choices=list(LOAD_BALANCE_METHODS))
     dp_cache_threshold: float = flag(
