@@ -1,5 +1,6 @@
 """The wire messages between processes, grouped by direction, and the one serializer they all
-go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq; a replica's input
+go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq (and, to the DP
+controller only, ReplicaChange); a replica's input
 rank -> its every rank (in the broadcast inputs): GrammarsReady; scheduler -> detokenizer:
 BatchTokenIDOut (and FlushCacheOut, passed through); detokenizer -> front: BatchStrOut;
 scheduler -> DP controller: LoadReport."""
@@ -16,6 +17,18 @@ from lockstep.core import FINISH_ABORT, BaseFinishReason, TokenLogprob
 from lockstep.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class SessionParams:
+    """SGLang's session_params: the request continues request `rid` of session `id`
+    (lockstep.entrypoints.session_controller, in the front process)."""
+
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
 @dataclass
 class TokenizedGenerateReq:
     """One prompt, one sample: the front process's single request (its routes fan a batch and n
@@ -30,10 +43,13 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     input_text: str | None = None
+    priority: int | None = None  # SGLang's; None: the server's default
+    routed_dp_rank: int | None = None  # SGLang's: the data-parallel replica that must serve it
     # The front process's own: logprob entries get their text; the sample's place in its request.
     return_text_in_logprobs: bool = False
     prompt_index: int = 0
     sample_index: int = 0
+    session_params: SessionParams | None = None
 
 
 @dataclass
@@ -48,6 +64,18 @@ class AbortReq:
 @dataclass
 class FlushCacheReq:
     pass
+
+
+@dataclass
+class ReplicaChange:
+    """front -> DP controller, for replicas added and removed while serving
+    (lockstep.entrypoints.elastic): `add` connects to a started replica's input (`input_ipc`)
+    without dispatching to it; `activate` dispatches to it; `remove` stops dispatching to it
+    (what it runs drains); `retire` forgets it once it has drained and stopped."""
+
+    op: str  # add | activate | remove | retire
+    dp_rank: int
+    input_ipc: str = ""
 
 
 @dataclass
@@ -108,6 +136,8 @@ class LoadReport:
     running: int
     queued: int
     tokens_in_use: int
+    queued_tokens: int = 0  # prompt tokens admitted or waiting whose KV is not computed yet
+    received: int = 0  # generate requests the replica has read: which dispatches this report saw
 
 
 def encode(msg: Any) -> bytes:

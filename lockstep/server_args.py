@@ -21,7 +21,8 @@ from lockstep.utils.flags import add_flags, below_min, flag
 from lockstep.utils.process import free_port
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "total_requests",
+                        "total_tokens", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,22 @@ class ServerArgs:
     schedule_policy: str = flag(
         "fcfs", "Order in which waiting requests are admitted (lpm: longest prefix match).",
         "scheduling", choices=list(SCHEDULE_POLICIES))
+    enable_priority_scheduling: bool = flag(
+        False, "Admit waiting requests by their `priority` first, then by --schedule-policy, and "
+               "let a request preempt (retract, to resume later with the same output) running "
+               "ones less urgent than it when KV or running slots are short. Without it a "
+               "request's priority is a 400.", "scheduling")
+    disable_priority_preemption: bool = flag(
+        False, "With priorities: order the queue by them but never preempt.", "scheduling")
+    schedule_low_priority_values_first: bool = flag(
+        False, "With priorities: a smaller value is more urgent (default: a larger one).",
+        "scheduling")
+    priority_scheduling_preemption_threshold: int = flag(
+        10, "With priorities: a request preempts only running ones less urgent than it by more "
+            "than this.", "scheduling", min=0)
+    default_priority_value: int | None = flag(
+        None, "With priorities: the priority of a request that gives none (default: the least "
+              "urgent there is).", "scheduling")
     chunked_prefill_size: int = flag(
         512, "Max prefill tokens per step; -1 disables chunking.", "scheduling")
     enable_mixed_chunk: bool = flag(
@@ -177,7 +194,11 @@ class ServerArgs:
               "(docs/benchmarks.md, \"Pipeline micro-batches\").", "parallelism", min=1)
     dp_size: int = flag(1, "Data-parallel replicas.", "parallelism", min=1)
     load_balance_method: str = flag(
-        "round_robin", "How the data-parallel controller picks a replica.", "parallelism",
+        "round_robin", "How the data-parallel controller picks a replica: in turn (round_robin), "
+                       "or the one with the least load its replicas report (total_requests, "
+                       "also shortest_queue: running + queued requests; total_tokens: prompt tokens "
+                       "still to compute, then KV in use; minimum_tokens: KV in use), or by prefix "
+                       "affinity (cache_aware).", "parallelism",
         choices=list(LOAD_BALANCE_METHODS))
     dp_cache_threshold: float = flag(
         0.5, "cache_aware: prefix match rate above which affinity wins.", "parallelism")

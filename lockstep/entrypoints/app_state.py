@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import Depends
 from starlette.requests import Request
 
+from lockstep.entrypoints.elastic import ElasticReplicas
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.metrics import Metrics
 from lockstep.entrypoints.middleware import ServerStatus
@@ -31,6 +32,7 @@ class AppState:
     metrics: Metrics
     status: ServerStatus
     started: float  # time.time() when the app was made: /server_info's uptime
+    elastic: ElasticReplicas  # replicas added and removed while serving (admin_routes.py)
 
     @property
     def args(self) -> ServerArgs:

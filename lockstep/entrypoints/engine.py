@@ -106,19 +106,31 @@ class Launched:
         """Call `on_death(message)` as soon as any child exits while we are not stopping."""
 
         def loop() -> None:
-            sentinels = {p.sentinel: p for p in self.children}
             while not self._stopping:
+                sentinels = {p.sentinel: p for p in self.children}  # replicas come and go
                 ready = wait(list(sentinels), timeout=1.0)
                 if ready and not self._stopping:
                     # A sentinel is ready however the child ended: an exception, os._exit, or a
                     # signal that ran no Python at all (SIGKILL, the OOM killer, a segfault).
                     p = sentinels[ready[0]]
+                    if p not in self.children:  # a replica removed on purpose (elastic.py)
+                        continue
                     p.join(timeout=1)
                     self.failed = f"child process {p.name} (pid {p.pid}) exited with code {p.exitcode}"
                     on_death(self.failed)
                     return
 
         threading.Thread(target=loop, name="lockstep-child-watchdog", daemon=True).start()
+
+
+def replica_processes(args: ServerArgs, rports: PortArgs, dp_rank: int) -> list[tuple[Any, ...]]:
+    """(process name, run_scheduler_process's arguments) of each scheduler process of replica
+    `dp_rank` on this node: at launch, and for a replica added while serving (elastic.py)."""
+    per_node = args.tp_size * args.pp_size // args.nnodes
+    first = args.node_rank * per_node
+    threads = max(1, (os.cpu_count() or 1) // (per_node * args.dp_size))  # the node's cores, shared
+    return [(f"scheduler-DP{dp_rank}-TP{tp_rank}-PP{pp_rank}", args, rports, tp_rank, pp_rank, threads)
+            for pp_rank, tp_rank in (divmod(g, args.tp_size) for g in range(first, first + per_node))]
 
 
 def launch_subprocesses(args: ServerArgs) -> Launched:
@@ -139,15 +151,10 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
         children.append(p)
         pipes.append((p, reader))
 
-    per_node = args.tp_size * args.pp_size // args.nnodes
-    first = args.node_rank * per_node
-    threads = max(1, (os.cpu_count() or 1) // (per_node * args.dp_size))  # the node's cores, shared
     replica_ports = [ports.for_replica(i) for i in range(args.dp_size)] if args.dp_size > 1 else [ports]
     for dp_rank, rports in enumerate(replica_ports):
-        for global_rank in range(first, first + per_node):
-            pp_rank, tp_rank = divmod(global_rank, args.tp_size)
-            spawn(f"scheduler-DP{dp_rank}-TP{tp_rank}-PP{pp_rank}", run_scheduler_process,
-                  args, rports, tp_rank, pp_rank, threads, dp_rank=dp_rank)
+        for name, *rank_args in replica_processes(args, rports, dp_rank):
+            spawn(name, run_scheduler_process, *rank_args, dp_rank=dp_rank)
     if args.dp_size > 1:
         spawn("data-parallel-controller", run_data_parallel_controller, args, ports,
               [r.scheduler_input_ipc for r in replica_ports])

@@ -23,7 +23,7 @@ from pydantic import (
 
 from lockstep.entrypoints.sglang_fields import GENERATE, SAMPLING_PARAMS, Table, drop_off_fields
 from lockstep.entrypoints.tokenizer_manager import RequestError
-from lockstep.messages import TokenizedGenerateReq
+from lockstep.messages import SessionParams, TokenizedGenerateReq
 from lockstep.sampling_params import NonEmptyStr, SamplingParams, TokenId, null_means_unset_schema
 
 
@@ -90,13 +90,46 @@ class StrictModel(BaseModel):
         return null_means_unset_schema(core_schema, handler)
 
 
+class SchedulingFields(StrictModel):
+    """How a request is scheduled, on /generate and the OpenAI routes alike: its priority (with
+    --enable-priority-scheduling, lockstep.managers.priority) and the data-parallel replica it
+    must run on (SGLang's routed_dp_rank, or its older name data_parallel_rank)."""
+
+    priority: int | None = None
+    routed_dp_rank: int | None = Field(None, ge=0)
+    data_parallel_rank: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _one_replica(self) -> SchedulingFields:
+        if None not in (self.routed_dp_rank, self.data_parallel_rank) and (
+                self.routed_dp_rank != self.data_parallel_rank):
+            raise ValueError("routed_dp_rank and data_parallel_rank name different replicas; "
+                             "send one of them")
+        return self
+
+    def scheduling(self) -> dict[str, Any]:
+        """The TokenizedGenerateReq fields these set (fan_out's keywords)."""
+        dp = self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
+        return {"priority": self.priority, "routed_dp_rank": dp}
+
+
 # SGLang's sampling params that lockstep does not serve are checked and dropped first.
 _Sampling = Annotated[SamplingParams, BeforeValidator(partial(drop_off_fields, SAMPLING_PARAMS))]
 SamplingParamsInput = shaped({"dict": _Sampling, "list": list[_Sampling]},
                              "an object or a list of objects")
 
 
-class GenerateReqInput(StrictModel):
+class SessionParamsInput(StrictModel):
+    """SGLang's session_params (lockstep.entrypoints.session_controller)."""
+
+    id: NonEmptyStr
+    rid: NonEmptyStr | None = None
+    offset: int | None = None
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
+class GenerateReqInput(SchedulingFields):
     """Body of SGLang's native /generate."""
 
     _sglang_fields = GENERATE
@@ -114,6 +147,7 @@ class GenerateReqInput(StrictModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
+    session_params: SessionParamsInput | None = None
 
     @property
     def is_batch(self) -> bool:
@@ -136,6 +170,8 @@ class GenerateReqInput(StrictModel):
                 prompts = f"{size} prompts" if self.is_batch else "a single prompt"
                 raise ValueError(f"{name}: a list must have one entry per prompt; got {len(value)} "
                                  f"for {prompts}")
+        if self.session_params is not None and self.is_batch:
+            raise ValueError("session_params: a session request has one prompt")
         if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
             raise ValueError("rid: the rids of a batch must be distinct")
         if self.top_logprobs_num and not any(_per_prompt(self.return_logprob, 1)):
@@ -156,7 +192,9 @@ class GenerateReqInput(StrictModel):
             rids=_per_prompt(self.rid, size) if self.rid is not None else None,
             return_logprob=_per_prompt(self.return_logprob, size), stream=self.stream,
             logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
-            return_text_in_logprobs=self.return_text_in_logprobs)
+            return_text_in_logprobs=self.return_text_in_logprobs, **self.scheduling(),
+            session_params=(SessionParams(**self.session_params.model_dump())
+                            if self.session_params is not None else None))
 
 
 Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): one of them

@@ -13,8 +13,16 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
 from lockstep import __version__
-from lockstep.entrypoints import chat_page, native_routes, openai_routes, responses_routes
+from lockstep.entrypoints import (
+    admin_routes,
+    chat_page,
+    native_routes,
+    openai_routes,
+    responses_routes,
+    session_routes,
+)
 from lockstep.entrypoints.app_state import AppState
+from lockstep.entrypoints.elastic import ElasticReplicas
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
 from lockstep.entrypoints.metrics import Metrics
@@ -29,6 +37,8 @@ ROUTERS: tuple[APIRouter, ...] = (
     native_routes.router,
     openai_routes.router,
     responses_routes.router,  # /v1/responses
+    session_routes.router,  # /open_session, /close_session
+    admin_routes.router,  # /admin/replicas: replicas added and removed while serving
     chat_page.router,  # GET /: the chat page
 )
 
@@ -61,7 +71,7 @@ def create_app(launched: Launched, status: ServerStatus | None = None) -> FastAP
     app.state.server = AppState(launched=launched, tm=tm, openai=openai,
                                 responses=ResponsesServing(openai, args),
                                 metrics=Metrics(tm, openai.model_name), status=status,
-                                started=time.time())
+                                started=time.time(), elastic=ElasticReplicas(launched))
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -36,7 +36,7 @@ def _off(why: str, names: str, *values: Any) -> dict[str, Off]:
 
 _MM = "text-only: no multimodal inputs"
 _PD = "no prefill/decode disaggregation"
-_ROUTING = "no per-request routing or cache keys"
+_ROUTING = "no routing or cache keys beyond routed_dp_rank"
 _FLAT = "no flat raw logprobs"
 _EXPERTS = "no mixture-of-experts routing output"
 _IDS = "no token ids in OpenAI replies (use /generate)"
@@ -54,7 +54,8 @@ SAMPLING_PARAMS: Table = {
 
 GENERATE: Table = {
     **_served("rid text input_ids sampling_params return_logprob logprob_start_len "
-              "top_logprobs_num return_text_in_logprobs stream"),
+              "top_logprobs_num return_text_in_logprobs stream priority routed_dp_rank "
+              "data_parallel_rank session_params"),
     **_off("/generate serves the one model; name none", "model"),  # sglang-router sends null
     **_off(_MM, "input_embeds image_data video_data audio_data mm_hashes mm_content_hashes "
            "video_config modalities positional_embed_overrides need_wait_for_mm_inputs "
@@ -62,7 +63,7 @@ GENERATE: Table = {
            "image_max_dynamic_patch video_max_dynamic_patch images_config mm_processor_kwargs "
            "multi_item_delimiter_indices token_indices_to_pool"),
     **_off(_MM, "use_audio_in_video", False),
-    **_off("no sessions", "session_id session_params"),
+    **_off("a session is named in session_params.id", "session_id"),
     **_off("no watermarking", "watermark"),
     **_off("no logprobs of chosen token ids; use top_logprobs_num", "token_ids_logprob"),
     **_off("no sampling masks", "return_sampling_mask", False),
@@ -78,12 +79,10 @@ GENERATE: Table = {
     **_off("no custom logit processors", "custom_logit_processor"),
     **_off(_PD, "bootstrap_host bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size "
            "disagg_prefill_dp_rank"),
-    **_off(_ROUTING, "routed_dp_rank data_parallel_rank routing_key conversation_id extra_key "
-           "cache_salt kv_hints http_worker_ipc"),
+    **_off(_ROUTING, "routing_key conversation_id extra_key cache_salt kv_hints http_worker_ipc"),
     **_off("no background requests", "background", False),
     **_off("no forced reasoning", "require_reasoning", False),
     **_off("no thinking budget", "max_thinking_tokens"),
-    **_off("no request priorities", "priority"),
     **_off("requests are logged as --log-level says", "no_logs", False),
     **_off("no custom metric labels", "custom_labels"),
     **_off("no token bytes", "return_bytes", False),
@@ -98,9 +97,9 @@ _OPENAI: Table = {
     **_served("model frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed "
               "stop stream stream_options temperature top_p user top_k min_p min_tokens regex "
               "ebnf repetition_penalty stop_token_ids stop_regex no_stop_trim ignore_eos "
-              "skip_special_tokens response_format"),
+              "skip_special_tokens response_format priority routed_dp_rank data_parallel_rank"),
     **_off(_PD, "bootstrap_host bootstrap_port bootstrap_room disagg_prefill_dp_rank"),
-    **_off(_ROUTING, "routed_dp_rank data_parallel_rank rid extra_key cache_salt"),
+    **_off(_ROUTING, "rid extra_key cache_salt"),
     **_off("no hidden states", "return_hidden_states", False),
     **_off(_EXPERTS, "return_routed_experts", False),
     **_off(_EXPERTS, "routed_experts_start_len", 0),
@@ -108,11 +107,10 @@ _OPENAI: Table = {
            "return_cached_tokens_details return_spec_tokens_details", False),
     **_off(_IDS, "return_token_ids", False),
     **_off("no LoRA adapters", "lora_path"),
-    **_off("no sessions", "session_id session_params"),
+    **_off("sessions are served on /generate", "session_id session_params"),
     **_off("no custom logit processors", "custom_params custom_logit_processor"),
     **_off("no watermarking", "watermark"),
     **_off(_MM, "images_config mm_processor_kwargs"),
-    **_off("no request priorities", "priority"),
     **_off("no custom metric labels", "custom_labels"),
 }
 

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from lockstep.core import FINISH_ABORT, BaseFinishReason, TokenLogprob
+from lockstep.entrypoints.session_controller import SessionController, SessionError
 from lockstep.messages import (
     AbortReq,
     BatchStrOut,
@@ -129,6 +130,10 @@ class TokenizerManager:
         self.to_scheduler = zmq_socket(self.ctx, zmq.PUSH, ports.scheduler_input_ipc)
         self.from_detokenizer = zmq_socket(self.ctx, zmq.PULL, ports.tokenizer_ipc)
         self.states: dict[str, ReqState] = {}
+        # Each data-parallel replica's state, by dp_rank: active, or, while the server runs,
+        # warming / draining / retired (lockstep.entrypoints.elastic).
+        self.replicas: list[str] = ["active"] * args.dp_size
+        self.sessions = SessionController()  # /open_session, a request's session_params
         self.control_waiters: list[asyncio.Future] = []
         # Called with (state, output, now) on every output, before the state takes it in.
         self.observers: list[Callable[[ReqState, ReqOutput, float], None]] = []
@@ -197,15 +202,35 @@ class TokenizerManager:
         # Given ids are the scheduler's to check against its vocabulary.
         ids = (list(req.input_ids) if req.input_ids is not None
                else await self.tokenize_text(req.input_text or ""))
-        params = self.resolve_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests
-        running = self.args.max_running_requests * self.args.dp_size
+        running = self.args.max_running_requests * self.replicas.count("active")
         if limit is not None and len(self.states) >= limit + running:
             raise RequestError(f"the server is full: {len(self.states)} requests in flight "
                                f"(--max-queued-requests {limit}); retry later", status=503)
+        dp = req.routed_dp_rank
+        if dp is not None and not (0 <= dp < len(self.replicas)
+                                   and self.replicas[dp] in ("active", "warming")):
+            live = [i for i, s in enumerate(self.replicas) if s == "active"]
+            raise RequestError(f"routed_dp_rank: {dp} names no replica taking requests; "
+                               f"this server's are {live}")
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in use")
+        session = None
+        if req.session_params is not None:  # the session's earlier turn, then this one
+            try:
+                session = self.sessions.begin(req.session_params, ids, self.tokenizer.bos_token_id)
+            except SessionError as e:
+                raise RequestError(str(e), e.status) from None
+            ids = session.input_ids
+            if dp is None:  # where the earlier turn's KV is
+                req = dataclasses.replace(req, routed_dp_rank=session.dp_rank)
+        try:
+            params = self.resolve_params(req.sampling_params, len(ids))
+        except RequestError:
+            if session is not None:
+                self.sessions.end(session, rid, None, None)
+            raise
         lp, top = req.return_logprob, bool(req.return_logprob and req.top_logprobs_num)
         state = ReqState(GenerateOutput(
             rid, "", [], "", [], len(ids), 0, 0, None, 0.0,
@@ -219,11 +244,19 @@ class TokenizerManager:
         try:
             while True:
                 out: ReqOutput = await state.queue.get()
-                yield self._merge(state, out, req)
+                merged = self._merge(state, out, req)
+                if session is not None and state.finished:  # a turn to continue, if it finished
+                    ok = not isinstance(out.finish_reason, FINISH_ABORT)
+                    self.sessions.end(session, rid, merged.output_ids if ok else None,
+                                      out.dp_rank)
+                    session = None
+                yield merged
                 if state.finished:
                     return
         finally:
             self.states.pop(rid, None)
+            if session is not None:  # ended before its last output (client gone)
+                self.sessions.end(session, rid, None, None)
             if not state.finished:
                 await self.abort(rid)
 
@@ -266,7 +299,8 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheOut:
         self.start()
         # Every data-parallel replica answers; the flush succeeds only if all of them did.
-        futs = [asyncio.get_running_loop().create_future() for _ in range(self.args.dp_size)]
+        live = sum(s != "retired" for s in self.replicas)
+        futs = [asyncio.get_running_loop().create_future() for _ in range(live)]
         self.control_waiters.extend(futs)
         await self.to_scheduler.send(encode(FlushCacheReq()))
         replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=60)

@@ -109,6 +109,7 @@ class Req:
     phase: ReqPhase = ReqPhase.WAITING
     finish_reason: BaseFinishReason | None = None
     retractions: int = 0
+    priority: int = 0  # resolved by lockstep.managers.priority (larger or smaller first)
     sent_len: int = 0  # output tokens already reported
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported to clients)
     kv: KVState = field(default_factory=KVState)

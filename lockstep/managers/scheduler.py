@@ -30,6 +30,7 @@ from lockstep.constrained.backend import NO_GRAMMAR_BACKEND, GrammarBackend, gra
 from lockstep.core import FINISH_ABORT, BaseFinishReason
 from lockstep.forward_batch import ForwardMode
 from lockstep.managers.grammar_queue import GrammarQueue
+from lockstep.managers.priority import PriorityRule
 from lockstep.managers.schedule_batch import KVState, LogprobState, Req, ReqPhase, ScheduleBatch
 from lockstep.managers.schedule_policy import order_waiting
 from lockstep.managers.scheduler_output_processor import OutputProcessor, SchedulerStats
@@ -88,6 +89,7 @@ class Scheduler:
         self.step_count = 0
         self.init_ratio = self.new_token_ratio = args.new_token_ratio
         self.rng = random.Random(args.random_seed)
+        self.priorities = PriorityRule(args)  # --enable-priority-scheduling and its companions
         self.fingerprints: list[str] = []
         self.stats = SchedulerStats()
         self.control_replies: list[Any] = []
@@ -120,7 +122,8 @@ class Scheduler:
                   logprobs=LogprobState(msg.return_logprob, msg.logprob_start_len,
                                         msg.top_logprobs_num))
         p = req.sampling_params
-        error = req.limits_error(self.context_len, self.max_req_len, self.vocab_size)
+        req.priority, error = self.priorities.resolve(msg.priority)
+        error = error or req.limits_error(self.context_len, self.max_req_len, self.vocab_size)
         if error is None:
             req.sampling.stops, error = stop_checker(self.tokenizer, p)
         if error is None and p.constraint is not None and self.grammar is None:
@@ -191,11 +194,14 @@ class Scheduler:
         self._release(req)
         self.outputs.finished(req, reason)
 
-    def load(self) -> tuple[int, int, int]:
-        """(running, queued, KV tokens in use) for the DP controller's dispatch."""
+    def load(self) -> tuple[int, int, int, int]:
+        """(running, queued, KV tokens in use, prompt tokens still to compute): the DP
+        controller's dispatch (lockstep.messages.LoadReport)."""
         used = self.max_total_tokens - self.allocator.available_size() - self.tree.evictable_size()
         running = len(self.running) + (1 if self.chunked_req else 0)
-        return running, len(self.waiting) + len(self.grammar_queue), used
+        pending = [*self.waiting, *self.grammar_queue, *([self.chunked_req] if self.chunked_req else [])]
+        return (running, len(self.waiting) + len(self.grammar_queue), used,
+                sum(r.seq_len - r.kv.cached_len for r in pending))
 
     def is_idle(self) -> bool:
         return not self.grammar_queue and self._no_batch_work()
@@ -225,7 +231,7 @@ class Scheduler:
             self.before_run(self.step_count, batch.fingerprint() if batch else "idle")
         return batch
 
-    def _future_tokens(self, req: Req) -> int:
+    def future_tokens(self, req: Req) -> int:
         """KV the request's output will still need, by the estimated new-token ratio."""
         left = req.sampling_params.max_new_tokens - len(req.output_ids)
         return int(max(0, left) * self.new_token_ratio)
@@ -262,22 +268,34 @@ class Scheduler:
 
     def _admit_waiting(self, admitted: list[Req], locs: list[torch.Tensor], budget: int) -> None:
         available = self.allocator.available_size() + self.tree.evictable_size()
-        reserved = sum(map(self._future_tokens, self.running))
+        reserved = sum(map(self.future_tokens, self.running))
         reserved += sum(r.seq_len - r.kv.cached_len for r in admitted)
-        for req in order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.rng):
-            if (budget <= 0 or len(self.running) + len(admitted) >= self.args.max_running_requests
-                    or self.req_to_token_pool.available_size() == 0):
+        order = order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.rng)
+        for req in self.priorities.order(order):
+            if budget <= 0:
                 break
-            fill = req.fill_ids
-            indices, node = self.tree.match_prefix(fill)
-            limit = len(fill) - 1
-            if req.prompt_logprob_start is not None:
-                limit = min(limit, req.prompt_logprob_start)
-            prefix = min(int(indices.numel()), limit)
-            if self._shares_new_prefix(fill, prefix, admitted):
+            for attempt in range(2):  # matched again after preempting: the tree changed
+                fill = req.fill_ids
+                indices, node = self.tree.match_prefix(fill)
+                limit = len(fill) - 1
+                if req.prompt_logprob_start is not None:
+                    limit = min(limit, req.prompt_logprob_start)
+                prefix = min(int(indices.numel()), limit)
+                shares = self._shares_new_prefix(fill, prefix, admitted)
+                extend = len(fill) - prefix
+                need = extend + self.future_tokens(req)
+                slot_short = (len(self.running) + len(admitted) >= self.args.max_running_requests
+                              or self.req_to_token_pool.available_size() == 0)
+                if attempt or shares or not (slot_short or reserved + need > available):
+                    break
+                room = self.priorities.preempt(self, req, reserved + need - available, slot_short)
+                if room is None:
+                    break
+                available += room
+            if slot_short:
+                break
+            if shares:
                 continue
-            extend = len(fill) - prefix
-            need = extend + self._future_tokens(req)
             if reserved + need > available:
                 break
             self.tree.inc_lock_ref(node)
@@ -342,14 +360,20 @@ class Scheduler:
             loc = self._alloc(size())
         return loc
 
-    def _retract_one(self) -> None:
-        """Retract the request that loses least: fewest tokens decoded, then longest prompt."""
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids), r.rid))
+    def retract(self, victim: Req) -> None:
+        """Back to waiting, its KV to the prefix tree; resumed later with the same output."""
         self.running.remove(victim)
         self._release(victim)
         victim.phase, victim.retractions = ReqPhase.WAITING, victim.retractions + 1
         self.waiting.append(victim)
         self.stats.retractions += 1
+
+    def _retract_one(self) -> None:
+        """Retract the request that loses least: least urgent, fewest tokens decoded, then
+        longest prompt."""
+        victim = min(self.running, key=lambda r: (self.priorities.retract_order(r),
+                                                  len(r.output_ids), -len(r.origin_input_ids), r.rid))
+        self.retract(victim)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
         logger.info("KV pool full: retracted %s after %d tokens (%d retractions so far)",
                     victim.rid, len(victim.output_ids), self.stats.retractions)

@@ -22,7 +22,14 @@ from lockstep.distributed.communication import (
 )
 from lockstep.distributed.parallel_state import ParallelGroup
 from lockstep.managers.scheduler import Scheduler, create_scheduler
-from lockstep.messages import BatchTokenIDOut, LoadReport, encode, recv_all, zmq_socket
+from lockstep.messages import (
+    BatchTokenIDOut,
+    LoadReport,
+    TokenizedGenerateReq,
+    encode,
+    recv_all,
+    zmq_socket,
+)
 from lockstep.model_executor.weight_setup import weight_bytes
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import exit_on_error, start_child
@@ -78,12 +85,14 @@ def event_loop(args: ServerArgs, sched: Scheduler, world: ParallelGroup, recv: z
         sched.before_run = lockstep_checker(args.enable_lockstep_check, world)
     # A busy scheduler that finishes no step for --watchdog-timeout s takes the server down.
     watchdog = ForwardProgressWatchdog(args.watchdog_timeout, mp.current_process().name).start()
-    last_load: tuple[int, int, int] | None = None
+    last_load: tuple[int, ...] | None = None
+    received = 0  # generate requests read so far: the DP controller's count of what this one saw
     # sched.run_step runs the overlap loop (model on a forward thread, previous result processed
     # while it computes) or the plain one; either way one call is one deterministic step.
     logger.info("step loop: %s", "overlap" if sched.overlap else "plain")
     while True:
         msgs = recv_requests(recv, block=sched.is_idle())
+        received += sum(isinstance(m, TokenizedGenerateReq) for m in msgs)
         if recv is not None:  # the input rank: what it read, then which grammars are ready
             msgs = sched.collect_inputs(msgs)
         msgs = broadcast_pyobj(msgs, world)
@@ -93,7 +102,7 @@ def event_loop(args: ServerArgs, sched: Scheduler, world: ParallelGroup, recv: z
         if load is not None:
             # Before the outputs: a client that reacts to an output by sending its next request
             # reaches the DP controller after this report, so dispatch sees the finished load.
-            now = sched.load()
+            now = (*sched.load(), received)
             if now != last_load:
                 load.send(encode(LoadReport(sched.dp_rank, *now)))
                 last_load = now

@@ -124,10 +124,10 @@ def test_cache_aware_imbalance_overrides_affinity():
     shared = list(range(100))
     assert d.choose(_req("a", shared + [1])) == d.choose(_req("b", shared + [2]))
     target = d.choose(_req("c", shared + [3]))
-    d.report(LoadReport(target, running=10, queued=5, tokens_in_use=0))
+    d.report(LoadReport(target, running=10, queued=5, tokens_in_use=0, received=3))
     d.report(LoadReport(1 - target, running=0, queued=0, tokens_in_use=0))
     assert d.choose(_req("d", shared + [4])) == 1 - target
-    d.report(LoadReport(target, running=1, queued=0, tokens_in_use=0))
+    d.report(LoadReport(target, running=1, queued=0, tokens_in_use=0, received=3))
     assert d.choose(_req("e", shared + [5])) == target
 
 

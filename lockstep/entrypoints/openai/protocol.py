@@ -11,7 +11,14 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from lockstep.constrained.constraint import SchemaObject, json_schema_constraint
-from lockstep.entrypoints.generate_request import IdLists, Ids, StrictModel, Texts, shaped
+from lockstep.entrypoints.generate_request import (
+    IdLists,
+    Ids,
+    SchedulingFields,
+    StrictModel,
+    Texts,
+    shaped,
+)
 from lockstep.entrypoints.sglang_fields import CHAT, COMPLETIONS
 from lockstep.entrypoints.tokenizer_manager import RequestError
 from lockstep.sampling_params import (
@@ -91,7 +98,7 @@ ResponseFormat = Annotated[
 ]
 
 
-class _OpenAIRequest(StrictModel):
+class _OpenAIRequest(SchedulingFields):
     model: str | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0

@@ -208,7 +208,8 @@ class OpenAIServing:
             prompts, [req.to_sampling_params()] * len(prompts), limit=self.args.max_batch_size,
             stream=req.stream, return_logprob=req.logprobs is not None,
             logprob_start_len=0 if (req.logprobs is not None and req.echo) else -1,
-            top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True)
+            top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True,
+            **req.scheduling())
         echoed = ([t if t is not None else self.tm.tokenizer.decode(ids) for t, ids in prompts]
                   if req.echo else None)
         cursors = [_LogprobCursor() for _ in singles]
@@ -254,7 +255,8 @@ class OpenAIServing:
         singles = fan_out(
             [(None, ids)], [params], limit=self.args.max_batch_size,
             stream=req.stream, return_logprob=req.logprobs,
-            top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True)
+            top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True,
+            **req.scheduling())
         thinking = self.reasoning_parsers(req, prompt, params.json_schema is not None,
                                           len(singles))
 
