@@ -54,6 +54,7 @@ from lockstep.managers.data_parallel_controller import run_data_parallel_control
 from lockstep.managers.scheduler_process import run_scheduler_process
 from lockstep.messages import ReqOutput, TokenizedGenerateReq
 from lockstep.model_loader import resolve_model
+from lockstep.model_loader.pooling import model_kind, pooling_for
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import kill_tree
 
@@ -171,6 +172,8 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
             architectures=source.hf_config.get("architectures"))
         launched.tokenizer_manager = TokenizerManager(
             args, ports, tokenizer, info["context_len"], info["max_total_num_tokens"], vocab)
+        launched.tokenizer_manager.kind = launched.info["kind"] = model_kind(
+            pooling_for(source.model_dir, source.hf_config, args.is_embedding))
     return launched
 
 
