@@ -25,6 +25,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -172,8 +173,10 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
             architectures=source.hf_config.get("architectures"))
         launched.tokenizer_manager = TokenizerManager(
             args, ports, tokenizer, info["context_len"], info["max_total_num_tokens"], vocab)
-        launched.tokenizer_manager.kind = launched.info["kind"] = model_kind(
-            pooling_for(source.model_dir, source.hf_config, args.is_embedding))
+        pooling = pooling_for(source.model_dir, source.hf_config, args.is_embedding)
+        launched.info.update(kind=model_kind(pooling),
+                             pooling=dataclasses.asdict(pooling) if pooling else None)
+        launched.tokenizer_manager.kind = launched.info["kind"]
     return launched
 
 

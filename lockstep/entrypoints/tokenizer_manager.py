@@ -212,7 +212,7 @@ class TokenizerManager:
         # Given ids are the scheduler's to check against its vocabulary.
         ids = (list(req.input_ids) if req.input_ids is not None
                else await self.tokenize_text(req.input_text or ""))
-        if self.kind != "generate" and req.sampling_params.max_new_tokens != 0:
+        if req.sampling_params.max_new_tokens != 0:  # the Engine's way in; routes check first
             self.check_kind("generate", "generation")
         params = self.resolve_params(req.sampling_params, len(ids))
         limit = self.args.max_queued_requests

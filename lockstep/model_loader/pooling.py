@@ -10,6 +10,7 @@ or a relevance score ("score"), and for the last two how the vector is pooled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ class Pooling:
     mode: str  # "mean", "cls" or "last"
     normalize: bool  # L2-normalize the pooled vector
     classify: bool = False  # the model's classifier turns the pooled row into scores (rerank)
+    # Matryoshka models (config.json's matryoshka_dimensions): the sizes a vector may be cut to
+    dimensions: tuple[int, ...] | None = None
 
     @property
     def kind(self) -> str:
@@ -68,12 +71,14 @@ def pooling_for(model_dir: Path, hf_config: dict[str, Any], is_embedding: bool) 
     archs = hf_config.get("architectures") or ()
     if any(str(a).endswith("ForSequenceClassification") for a in archs):
         return Pooling("cls", normalize=False, classify=True)
+    dims = hf_config.get("matryoshka_dimensions")
+    dims = tuple(int(d) for d in dims) if isinstance(dims, list) and dims else None
     pooling = _sentence_transformers(model_dir)
-    if pooling is not None:
-        return pooling
-    if hf_config.get("model_type") in ENCODERS:
-        return Pooling("cls", normalize=True)
-    return Pooling("last", normalize=True) if is_embedding else None
+    if pooling is None and hf_config.get("model_type") in ENCODERS:
+        pooling = Pooling("cls", normalize=True)
+    if pooling is None and is_embedding:
+        pooling = Pooling("last", normalize=True)
+    return None if pooling is None else dataclasses.replace(pooling, dimensions=dims)
 
 
 def model_kind(pooling: Pooling | None) -> str:
