@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+from lockstep.configs.model_config import ModelConfig
+from lockstep.model_loader.pooling import separator_id
 from lockstep.server_args import ServerArgs
 
 
@@ -17,3 +20,11 @@ def embedding_args(args: ServerArgs) -> ServerArgs:
         raise ValueError("embedding and scoring models run with --pp-size 1")
     return dataclasses.replace(args, chunked_prefill_size=-1, disable_radix_cache=True,
                                enable_overlap_schedule=False, speculative_algorithm="NONE")
+
+
+def with_separator(cfg: ModelConfig, model_dir: Path) -> ModelConfig:
+    """An encoder's config with its tokenizer's separator id, where config.json has none (BERT
+    checkpoints rarely do): the token a pair's second segment starts after."""
+    if cfg.causal or cfg.sep_token_id is not None:
+        return cfg
+    return dataclasses.replace(cfg, sep_token_id=separator_id(model_dir))

@@ -83,3 +83,24 @@ def pooling_for(model_dir: Path, hf_config: dict[str, Any], is_embedding: bool) 
 
 def model_kind(pooling: Pooling | None) -> str:
     return "generate" if pooling is None else pooling.kind
+
+
+def separator_id(model_dir: Path) -> int | None:
+    """The id of the tokenizer's separator token ([SEP]), which splits a BERT pair into its two
+    segments (models/bert.py): tokenizer_config.json or special_tokens_map.json name it,
+    tokenizer.json holds its id. None where the files do not say."""
+    name = None
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / file).is_file():
+            sep = (_read(model_dir / file) or {}).get("sep_token")
+            name = sep.get("content") if isinstance(sep, dict) else sep
+            if name:
+                break
+    if not name or not (model_dir / "tokenizer.json").is_file():
+        return None
+    tok = _read(model_dir / "tokenizer.json")
+    for added in tok.get("added_tokens") or ():
+        if added.get("content") == name:
+            return int(added["id"])
+    vocab = (tok.get("model") or {}).get("vocab")
+    return int(vocab[name]) if isinstance(vocab, dict) and name in vocab else None
