@@ -1,7 +1,11 @@
 """BERT encoders (BertModel; BertForSequenceClassification, the cross-encoder rerankers) on
 lockstep's own layers: the tensor-parallel linears (float32 weights as F32 blocks on a CPU, each
-output row summed in a fixed order), the paged KV pool and its attention kernel, run
-bidirectionally (ModelConfig.causal False: every row of a request sees all of its keys).
+output row summed in a fixed order) and the attention kernel (each row alone, its sum in an order
+fixed by its own keys), run bidirectionally: every row of a request sees all of its keys.
+
+An encoder's K/V are read by this pass alone (a pooled request ends with it, and K/V at a
+position depend on the tokens after it, so no prefix is ever shared): the kernel reads them where
+the projection wrote them, not from the KV pool, whose slots the scheduler still accounts for.
 
 Post-LN: x = LN(x + attn(x)); x = LN(x + FFN(x)). Segment (token type) ids are not on the wire:
 they are what BERT's tokenizer gives a pair, 0 up to and including the first separator and 1
@@ -14,6 +18,7 @@ lockstep.managers.pooling_step, picks and pools them); a classifier's `classify`
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +27,7 @@ from torch import nn
 from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
 from lockstep.forward_batch import ForwardBatch
-from lockstep.layers.attention import PagedAttention
+from lockstep.kernels import decode_attention
 from lockstep.layers.block_weight import BlockWeight
 from lockstep.layers.embedding import VocabParallelEmbedding
 from lockstep.layers.layer_norm import LayerNorm
@@ -60,6 +65,23 @@ class _Table(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+@dataclass(frozen=True)
+class RowKeys:
+    """Which keys each row sees, in the layout of kernels.decode_attention: the batch's own K/V
+    rows (slots 0..T-1), and per row its request's first row and length."""
+
+    slots: torch.Tensor
+    starts: torch.Tensor
+    lens: torch.Tensor
+
+    @classmethod
+    def of(cls, fb: ForwardBatch) -> RowKeys:
+        ext = fb.extend_lens
+        first = torch.cumsum(ext, 0) - ext
+        return cls(torch.arange(fb.input_ids.numel(), device=ext.device),
+                   first.repeat_interleave(ext), ext.repeat_interleave(ext))
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
@@ -94,14 +116,15 @@ class BertAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, True, tp, dtype)
         self.n_heads, self.n_kv = self.qkv_proj.n_heads_local, self.qkv_proj.n_kv_local
         self.head_dim = d
-        self.attn = PagedAttention(layer_id, self.n_heads, self.n_kv, d, d**-0.5, None)
+        self.scaling = d**-0.5
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowKeys) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         t, d = x.shape[0], self.head_dim
         q = q.contiguous().view(t, self.n_heads, d)
         k, v = k.contiguous().view(t, self.n_kv, d), v.contiguous().view(t, self.n_kv, d)
-        return self.o_proj(self.attn(q, k, v, fb, pool))
+        return self.o_proj(decode_attention(q, k, v, rows.slots, rows.starts, rows.lens,
+                                            self.scaling, None, None))
 
 
 class BertLayer(nn.Module):
@@ -115,9 +138,10 @@ class BertLayer(nn.Module):
         self.output_norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.act = _activation(cfg.hidden_act)
 
-    def forward(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
-        h = self.attention_norm(h + self.attention(h, fb, pool))
-        return self.output_norm(h + self.output(self.act(self.intermediate(h))))
+    def forward(self, h: torch.Tensor, rows: RowKeys) -> torch.Tensor:
+        # in place into the fresh sublayer outputs: no new [T, hidden] tensor per residual
+        h = self.attention_norm(self.attention(h, rows).add_(h))
+        return self.output_norm(self.output(self.act(self.intermediate(h))).add_(h))
 
 
 class BertModel(nn.Module):
@@ -141,8 +165,9 @@ class BertModel(nn.Module):
     def forward(self, fb: ForwardBatch, pool: TokenToKVPool,
                 hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embeddings(fb)
+        rows = RowKeys.of(fb)
         for layer in self.layers:
-            h = layer(h, fb, pool)
+            h = layer(h, rows)
         return h[fb.logits_indices]
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
