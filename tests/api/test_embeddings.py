@@ -204,3 +204,25 @@ def test_packaged_embedding_model_is_listed() -> None:
 
     m = PACKAGED_MODELS[MINILM]
     assert m.kind == "embed" and (Path(m.path()) / "modules.json").is_file()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("flags", [("--tp-size", "2"), ("--dp-size", "2")])
+def test_tp2_and_dp2_give_the_bits_of_one_rank(flags: tuple[str, str], tmp_path: Path) -> None:
+    """Mixed-length texts through a TP 2 / DP 2 server of the tiny mean-pooling BERT: each vector
+    bitwise the in-process TP 1 scheduler's."""
+    from transformers import AutoTokenizer
+
+    from lockstep.testing.embedding_oracle import embed_in_process, sentences
+    from lockstep.testing.inproc import make_scheduler
+
+    path = make_tiny_encoder("embed-mean")
+    texts = sentences(24, seed=11, lines=4)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ref = embed_in_process(make_scheduler(path), [tok(t).input_ids for t in texts])
+    srv = LiveServer("--model-path", str(path), *flags, log_dir=tmp_path, startup_timeout=240)
+    try:
+        got = _post(srv, "/encode", {"text": texts}).json()
+    finally:
+        srv.stop_cleanly()
+    assert [g["embedding"] for g in got] == ref
