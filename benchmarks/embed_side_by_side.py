@@ -6,7 +6,7 @@ short query, and the agreement of the vectors (min cosine, max element differenc
 
     python benchmarks/embed_side_by_side.py --sentences 2000 --threads 2 --rounds 1
 
-Figures: docs/benchmarks.md, "Embeddings: all-MiniLM-L6-v2 against sentence-transformers"."""
+Figures: docs/benchmarks.md, "Embeddings: all-MiniLM-L6-v2 against sentence-transformers (2026-12-05)"."""
 
 from __future__ import annotations
 
