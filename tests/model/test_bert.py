@@ -142,3 +142,22 @@ def test_minilm_vector_is_bitwise_the_same_alone_and_in_a_batch_of_32(minilm: tu
     prompts = [tok(t).input_ids for t in sentences(32, seed=9, lines=4)]
     alone = [embed_in_process(sched, [p], prefix=f"m{i}-")[0] for i, p in enumerate(prompts[:3])]
     assert embed_in_process(sched, prompts, prefix="mb")[:3] == alone
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoder_embedding_is_the_last_token_of_transformers(arch: str) -> None:
+    """--is-embedding on a decoder: its last token's final-normed state, normalized (the
+    Qwen3-Embedding recipe), as transformers computes it; bitwise alone and batched."""
+    from lockstep.testing.tiny_models import make_tiny_model, tiny_hf_model
+
+    path = make_tiny_model(arch)
+    tok = _tokenizer(str(path))
+    prompts = [tok(t).input_ids for t in sentences(8, seed=4, lines=2)]
+    sched = make_scheduler(path, is_embedding=True)
+    ours = torch.tensor(embed_in_process(sched, prompts))
+    hf = tiny_hf_model(arch)
+    with torch.no_grad():
+        ref = torch.stack([F.normalize(hf.model(torch.tensor([p])).last_hidden_state[0, -1], dim=-1)
+                           for p in prompts])
+    assert (ours - ref).abs().max().item() < 2e-5, (ours - ref).abs().max().item()
+    assert embed_in_process(sched, prompts[:1], prefix="alone")[0] == ours[0].tolist()
