@@ -1,5 +1,6 @@
 """The embedding and rerank routes: OpenAI's /v1/embeddings, SGLang's /encode and /v1/rerank,
-Jina's / Cohere's /rerank and /v2/rerank. Each input is one prefill-only request (max_new_tokens
+Jina's / Cohere's /rerank and /v2/rerank, and SGLang's /v1/score (a generative model's label-token
+probabilities, from the prompt logprob of each label appended to query + item). Each input is one prefill-only request (max_new_tokens
 0) through the same TokenizerManager, scheduler and model runner as generation; the model's
 pooling step (lockstep.managers.pooling_step) sends back its vector, or for a cross-encoder its
 scores, instead of a token. A server whose model does not serve the route's kind answers 400
@@ -27,6 +28,8 @@ from lockstep.entrypoints.openai.embedding_protocol import (
     EncodeResponse,
     RerankRequest,
     RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     SGLangRerankResult,
 )
 from lockstep.entrypoints.tokenizer_manager import GenerateOutput, RequestError
@@ -154,3 +157,45 @@ async def rerank(req: RerankRequest, request: Request, state: State) -> Response
     return json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": state.openai.model_name,
                           "results": results,
                           "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+
+@router.post("/v1/score", responses=returns(ScoreResponse))
+async def score(req: ScoreRequest, request: Request, state: State) -> Response:
+    """Each (item, label) is one prefill-only request of query + item + label whose last prompt
+    logprob is the label's: SGLang's scores without a decode step."""
+    state.tm.check_kind("generate", "/v1/score")
+    state.openai.check_model(req.model)
+    tm = state.tm
+    items = [req.items] if isinstance(req.items, str) or (req.items and isinstance(req.items[0], int)) else req.items
+    if not items:
+        raise RequestError("items: give at least one item")
+    texts = isinstance(req.query, str)
+    if any(isinstance(item, str) != texts for item in items):
+        raise RequestError("query and items: all text or all token ids, not both")
+    labels = tm.check_ids(req.label_token_ids, "label_token_ids")
+    prompts: list[tuple[str | None, list[int] | None]] = []
+    for item in items:
+        first, second = (item, req.query) if req.item_first else (req.query, item)
+        ids = (await tm.tokenize_text(first + second)) if texts else tm.check_ids(first + second, "items")
+        if not ids:
+            raise RequestError("query and item: together they are no tokens; nothing to score after")
+        prompts += [(None, ids + [label]) for label in labels]
+    singles = [TokenizedGenerateReq("", ids, SamplingParams(max_new_tokens=0), return_logprob=True,
+                                    logprob_start_len=len(ids) - 2, prompt_index=i)
+               for i, (_, ids) in enumerate(prompts)]
+    if len(singles) > state.args.max_batch_size:
+        raise RequestError(f"{len(singles)} (item, label) pairs; this server takes at most "
+                           f"{state.args.max_batch_size} per request (--max-batch-size)")
+    outs = await run_to_completion(tm, singles, request)
+    scores = []
+    for i in range(len(items)):
+        row = [o.input_token_logprobs[-1].logprob for o in outs[i * len(labels):(i + 1) * len(labels)]]
+        if req.apply_softmax:
+            top = max(row)
+            exps = [math.exp(x - top) for x in row]
+            scores.append([e / sum(exps) for e in exps])
+        else:
+            scores.append([math.exp(x) for x in row])
+    used = sum(o.prompt_tokens for o in outs)
+    return json_response({"scores": scores, "model": state.openai.model_name, "object": "scoring",
+                          "usage": {"prompt_tokens": used, "completion_tokens": 0, "total_tokens": used}})

@@ -27,7 +27,7 @@ from lockstep.utils.http import ErrorResponse
 ROUTERS: tuple[APIRouter, ...] = (
     native_routes.router,
     openai_routes.router,
-    embedding_routes.router,  # /v1/embeddings, /encode, /v1/rerank, /rerank, /v2/rerank
+    embedding_routes.router,  # /v1/embeddings, /encode, /v1/rerank, /rerank, /v2/rerank, /v1/score
     chat_page.router,  # GET /: the chat page
 )
 

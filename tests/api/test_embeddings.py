@@ -226,3 +226,32 @@ def test_tp2_and_dp2_give_the_bits_of_one_rank(flags: tuple[str, str], tmp_path:
     finally:
         srv.stop_cleanly()
     assert [g["embedding"] for g in got] == ref
+
+
+def test_sglang_score_gives_transformers_label_probabilities(llama_server: LiveServer,
+                                                             model_dir: Path) -> None:
+    """/v1/score on a generation server: per item, the probability of each label token right after
+    query + item (softmaxed over the labels with apply_softmax), as transformers gives it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    query, items, labels = "The river bends twice", [" before it reaches", " and the town"], [5, 17, 40]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"query": query, "items": items, "label_token_ids": labels}
+    plain = _post(llama_server, "/v1/score", body, headers=auth).json()
+    soft = _post(llama_server, "/v1/score", {**body, "apply_softmax": True}, headers=auth).json()
+    for i, item in enumerate(items):
+        with torch.no_grad():
+            logits = hf(torch.tensor([tok(query + item).input_ids])).logits[0, -1]
+        probs = torch.softmax(logits.double(), -1)[labels]
+        assert torch.allclose(torch.tensor(plain["scores"][i]).double(), probs, rtol=1e-4, atol=1e-7)
+        assert torch.allclose(torch.tensor(soft["scores"][i]).double(), probs / probs.sum(), rtol=1e-4)
+    assert plain["object"] == "scoring" and plain["usage"]["prompt_tokens"] > 0
+    bad = _post(llama_server, "/v1/score", {**body, "items": [[1, 2]]}, headers=auth)
+    assert bad.status_code == 400 and "not both" in bad.json()["error"]["message"]
+
+
+def test_an_embedding_server_refuses_score(minilm_server: LiveServer) -> None:
+    r = _post(minilm_server, "/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [1]})
+    assert r.status_code == 400 and "serves embeddings" in r.json()["error"]["message"]

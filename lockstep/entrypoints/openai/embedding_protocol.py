@@ -117,3 +117,22 @@ class RerankResponse(BaseModel):
     model: str
     results: list[RerankResult]
     usage: RerankUsage
+
+
+class ScoreRequest(StrictModel):
+    """SGLang's /v1/score: the probability a generative model gives each label token right after
+    query + item (item + query with item_first), per item."""
+
+    query: str | list[int]
+    items: str | list[str] | list[list[int]]
+    label_token_ids: list[int] = Field(min_length=1)
+    apply_softmax: bool = False  # normalize over the labels instead of plain probabilities
+    item_first: bool = False
+    model: str | None = None
+
+
+class ScoreResponse(BaseModel):
+    scores: list[list[float]]
+    model: str
+    usage: dict[str, int]
+    object: Literal["scoring"] = "scoring"
