@@ -255,3 +255,30 @@ def test_sglang_score_gives_transformers_label_probabilities(llama_server: LiveS
 def test_an_embedding_server_refuses_score(minilm_server: LiveServer) -> None:
     r = _post(minilm_server, "/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [1]})
     assert r.status_code == 400 and "serves embeddings" in r.json()["error"]["message"]
+
+
+LANGCHAIN_PROGRAM = r'''
+import json, sys
+from langchain_openai import OpenAIEmbeddings
+
+# check_embedding_ctx_length=False: LangChain otherwise cuts the text into OpenAI's own (tiktoken)
+# token ids, which mean nothing to another model's vocabulary (its docs say so for other servers)
+emb = OpenAIEmbeddings(base_url=sys.argv[1] + "/v1", api_key="none", model="all-minilm-l6-v2",
+                       check_embedding_ctx_length=False)
+print(json.dumps({"docs": emb.embed_documents(%r), "query": emb.embed_query("hello")}))
+''' % (TEXTS,)
+
+
+def test_langchain_openai_embeddings(minilm_server: LiveServer, st_vectors: torch.Tensor,
+                                               tmp_path_factory: pytest.TempPathFactory,
+                                               tmp_path: Path) -> None:
+    from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv, run_client
+
+    try:
+        python = client_venv(tmp_path_factory.getbasetemp().parent, ["langchain-openai==1.7.4"])
+    except PackageIndexUnreachable as e:
+        pytest.skip(str(e))
+    out = run_client(python, LANGCHAIN_PROGRAM, minilm_server.url, tmp_path)
+    assert (torch.tensor(out["docs"]) - st_vectors).abs().max().item() < 1e-5
+    ref = _vectors(_post(minilm_server, "/v1/embeddings", {"input": "hello"}).json())[0]
+    assert (torch.tensor(out["query"]) - ref).abs().max().item() < 1e-6
