@@ -6,6 +6,7 @@ against transformers), and the 400s of a route the server's model does not serve
 from __future__ import annotations
 
 import base64
+import json
 import math
 import struct
 from collections.abc import Iterator
@@ -265,8 +266,8 @@ from langchain_openai import OpenAIEmbeddings
 # token ids, which mean nothing to another model's vocabulary (its docs say so for other servers)
 emb = OpenAIEmbeddings(base_url=sys.argv[1] + "/v1", api_key="none", model="all-minilm-l6-v2",
                        check_embedding_ctx_length=False)
-print(json.dumps({"docs": emb.embed_documents(%r), "query": emb.embed_query("hello")}))
-''' % (TEXTS,)
+print(json.dumps({"docs": emb.embed_documents(json.loads(TEXTS_JSON)), "query": emb.embed_query("hello")}))
+'''
 
 
 def test_langchain_openai_embeddings(minilm_server: LiveServer, st_vectors: torch.Tensor,
@@ -278,7 +279,8 @@ def test_langchain_openai_embeddings(minilm_server: LiveServer, st_vectors: torc
         python = client_venv(tmp_path_factory.getbasetemp().parent, ["langchain-openai==1.7.4"])
     except PackageIndexUnreachable as e:
         pytest.skip(str(e))
-    out = run_client(python, LANGCHAIN_PROGRAM, minilm_server.url, tmp_path)
+    program = LANGCHAIN_PROGRAM.replace("TEXTS_JSON", repr(json.dumps(TEXTS)))
+    out = run_client(python, program, minilm_server.url, tmp_path)
     assert (torch.tensor(out["docs"]) - st_vectors).abs().max().item() < 1e-5
     ref = _vectors(_post(minilm_server, "/v1/embeddings", {"input": "hello"}).json())[0]
     assert (torch.tensor(out["query"]) - ref).abs().max().item() < 1e-6
