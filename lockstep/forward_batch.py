@@ -51,9 +51,7 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return int(self.req_pool_indices.numel())
 
-    def build_attention(self, req_to_token: torch.Tensor, windows: set[int | None],
-                        causal: bool = True) -> None:
-        """`causal` False (encoders): each row sees every key of its request, before and after it."""
+    def build_attention(self, req_to_token: torch.Tensor, windows: set[int | None]) -> None:
         b = self.batch_size
         ext, pre = self.extend_lens, self.prefix_lens
         seq = pre + ext
@@ -61,7 +59,7 @@ class ForwardBatch:
         device = self.input_ids.device
         kv = req_to_token[self.req_pool_indices, :max_l]
         if device.type == "cpu":
-            self.attn = _cpu_row_metadata(kv, ext, pre, seq, max_l, causal)
+            self.attn = _cpu_row_metadata(kv, ext, pre, seq, max_l)
             return
         q_idx = torch.arange(max_q, device=device)
         k_idx = torch.arange(max_l, device=device)
@@ -70,7 +68,7 @@ class ForwardBatch:
         col_of_token = torch.arange(ext.sum(), device=device) - starts[row_of_token]
         q_pos = pre[:, None] + q_idx[None, :]  # [B, Q] absolute position of each query
         dist = q_pos[:, :, None] - k_idx[None, None, :]  # [B, Q, L]
-        base = (k_idx[None, None, :] < seq[:, None, None]) & ((dist >= 0) | (not causal))
+        base = (dist >= 0) & (k_idx[None, None, :] < seq[:, None, None])
         padded_q = q_idx[None, :] >= ext[:, None]  # [B, Q]
         masks = {}
         for w in windows:
@@ -84,7 +82,7 @@ class ForwardBatch:
 
 
 def _cpu_row_metadata(kv: torch.Tensor, ext: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor,
-                      max_l: int, causal: bool = True) -> AttentionMetadata:
+                      max_l: int) -> AttentionMetadata:
     """No masks and no padded grid on a CPU (building masks was a third of a decode step's set-up)."""
     device = kv.device
     kv_flat = kv[torch.arange(max_l, device=device)[None, :] < seq[:, None]]
@@ -92,8 +90,6 @@ def _cpu_row_metadata(kv: torch.Tensor, ext: torch.Tensor, pre: torch.Tensor, se
     if int(ext.max()) == 1:  # a batch of decodes: one row per request, the common step kept cheap
         return AttentionMetadata(kv_flat, k_starts, seq)
     row_of_token = torch.repeat_interleave(torch.arange(seq.numel(), device=device), ext)
-    if not causal:
-        return AttentionMetadata(kv_flat, k_starts[row_of_token], seq[row_of_token])
     col_of_token = torch.arange(int(ext.sum()), device=device) - (torch.cumsum(ext, 0) - ext)[row_of_token]
     return AttentionMetadata(kv_flat, k_starts[row_of_token], pre[row_of_token] + col_of_token + 1)
 

@@ -43,7 +43,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Encoders (BERT): every token attends to every token of its request, both ways.
+    # Encoders (BERT): every token attends to every token of its request, both ways (models/bert.py
+    # reads its own K/V so; the paged attention path stays causal).
     causal: bool = True
     type_vocab_size: int = 0  # BERT's segment (token type) embeddings
     num_labels: int = 0  # a sequence-classification head's outputs (a cross-encoder's score)

@@ -136,7 +136,7 @@ class ModelRunner:
         sends: list[tuple[dist.Work, torch.Tensor]] = []
         outs: list[torch.Tensor] = []
         for i, fb in enumerate(parts):
-            fb.build_attention(self.req_to_token_pool.req_to_token, self.windows, self.model_cfg.causal)
+            fb.build_attention(self.req_to_token_pool.req_to_token, self.windows)
             hidden_in = None
             if recvs:
                 hidden_in, work = recvs[i]
