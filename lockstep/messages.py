@@ -107,6 +107,8 @@ class ReqOutput:
     input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     dp_rank: int = 0  # which data-parallel replica served it
+    # An embedding / scoring model's pooled vector (or scores), in place of tokens.
+    embedding: list[float] | None = None
     # What the detokenizer needs of the request: (skip_special_tokens, spaces_between_special_tokens).
     decode_options: tuple[bool, bool] = (True, True)
     # Stop strings (checked in the scheduler): how many characters of the output's text are final,

@@ -34,6 +34,11 @@ class ServerArgs:
         DEFAULT_MODEL, "GGUF file, HF directory, or a packaged model's short name: "
         f"{', '.join(PACKAGED_MODELS)} (`lockstep models` says more).", "model")
     tokenizer_path: str | None = flag(None, "Defaults to the model's own.", "model")
+    is_embedding: bool = flag(
+        False, "Serve the model's pooled vectors (/v1/embeddings, /encode) instead of text: for a "
+               "decoder, its last token's normalized state. Encoders (BERT), sentence-transformers "
+               "directories and cross-encoder rerankers are detected from their files without it "
+               "(docs/embeddings.md).", "model")
     served_model_name: str | None = flag(None, "Name in /v1/models.", "model")
     chat_template: str | None = flag(
         None, "Built-in name (gemma, llama3, chatml) or a Jinja file.", "model")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "gemma3_text": "gemma3", "gemma3": "gemma3"}
+                      "gemma3_text": "gemma3", "gemma3": "gemma3", "bert": "bert"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,12 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Encoders (BERT): every token attends to every token of its request, both ways (models/bert.py
+    # reads its own K/V so; the paged attention path stays causal).
+    causal: bool = True
+    type_vocab_size: int = 0  # BERT's segment (token type) embeddings
+    num_labels: int = 0  # a sequence-classification head's outputs (a cross-encoder's score)
+    sep_token_id: int | None = None  # BERT: tokens after the first separator are segment 1
 
     @property
     def is_gemma(self) -> bool:
@@ -62,11 +68,12 @@ class ModelConfig:
         rope_global, rope_local = _rope_configs(cfg, arch)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        classifier = any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or ())
         return cls(
             arch=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=n_layers, num_heads=n_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6)),
             max_position=cfg.get("max_position_embeddings", 8192),
             tie_word_embeddings=cfg.get("tie_word_embeddings", arch == "gemma3"),
             # Qwen2 always has q/k/v biases; its config does not say so.
@@ -77,7 +84,10 @@ class ModelConfig:
             layer_windows=_layer_windows(cfg, arch, n_layers),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping"), eos_token_ids=eos_ids)
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"), eos_token_ids=eos_ids,
+            causal=arch != "bert", type_vocab_size=cfg.get("type_vocab_size", 0),
+            num_labels=len(cfg.get("id2label") or {0: 0}) if classifier else 0,
+            sep_token_id=cfg.get("sep_token_id"))
 
 
 def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:

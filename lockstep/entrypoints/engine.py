@@ -25,6 +25,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -54,6 +55,7 @@ from lockstep.managers.data_parallel_controller import run_data_parallel_control
 from lockstep.managers.scheduler_process import run_scheduler_process
 from lockstep.messages import ReqOutput, TokenizedGenerateReq
 from lockstep.model_loader import resolve_model
+from lockstep.model_loader.pooling import model_kind, pooling_for
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import kill_tree
 
@@ -178,6 +180,10 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
             architectures=source.hf_config.get("architectures"))
         launched.tokenizer_manager = TokenizerManager(
             args, ports, tokenizer, info["context_len"], info["max_total_num_tokens"], vocab)
+        pooling = pooling_for(source.model_dir, source.hf_config, args.is_embedding)
+        launched.info.update(kind=model_kind(pooling),
+                             pooling=dataclasses.asdict(pooling) if pooling else None)
+        launched.tokenizer_manager.kind = launched.info["kind"]
     return launched
 
 

@@ -16,6 +16,7 @@ from lockstep import __version__
 from lockstep.entrypoints import (
     admin_routes,
     chat_page,
+    embedding_routes,
     native_routes,
     openai_routes,
     responses_routes,
@@ -39,6 +40,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     responses_routes.router,  # /v1/responses
     session_routes.router,  # /open_session, /close_session
     admin_routes.router,  # /admin/replicas: replicas added and removed while serving
+    embedding_routes.router,  # /v1/embeddings, /encode, /v1/rerank, /rerank, /v2/rerank, /v1/score
     chat_page.router,  # GET /: the chat page
 )
 

@@ -76,7 +76,8 @@ async def health_generate(state: State) -> Response:
     tok = state.tm.tokenizer
     first = tok.bos_token_id if tok.bos_token_id is not None else 0
     single = [TokenizedGenerateReq(f"health-{uuid.uuid4().hex}", [first],
-                                   SamplingParams(max_new_tokens=1, temperature=0.0))]
+                                   SamplingParams(max_new_tokens=int(state.tm.kind == "generate"),
+                                                  temperature=0.0))]
     try:
         await asyncio.wait_for(run_to_completion(state.tm, single, None), HEALTH_GENERATE_TIMEOUT)
     except asyncio.TimeoutError:
@@ -114,6 +115,7 @@ async def get_metrics(state: State) -> Response:
 @router.post("/generate", responses=returns(GenerateResponse | list[GenerateResponse], stream=True))
 @router.put("/generate", responses=returns(GenerateResponse | list[GenerateResponse], stream=True))
 async def generate(obj: GenerateReqInput, request: Request, state: State) -> Response:
+    state.tm.check_kind("generate", "/generate")
     singles = obj.normalize(state.args.max_batch_size)
     many = obj.is_batch or len(singles) > 1
     if obj.stream:

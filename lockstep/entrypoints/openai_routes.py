@@ -35,9 +35,11 @@ async def get_model(model: str, state: State) -> Response:
 
 @router.post("/v1/completions", responses=returns(CompletionResponse, stream=True))
 async def completions(req: CompletionRequest, request: Request, state: State) -> Response:
+    state.tm.check_kind("generate", "/v1/completions")
     return await state.openai.completions(req, request)
 
 
 @router.post("/v1/chat/completions", responses=returns(ChatCompletionResponse, stream=True))
 async def chat_completions(req: ChatCompletionRequest, request: Request, state: State) -> Response:
+    state.tm.check_kind("generate", "/v1/chat/completions")
     return await state.openai.chat(req, request)

@@ -74,6 +74,7 @@ class GenerateOutput:
     e2e_latency: float
     dp_rank: int | None = None  # with --dp-size > 1
     spec: tuple[int, int, int] | None = None  # with speculative decoding: passes, drafted, accepted
+    embedding: list[float] | None = None  # an embedding / scoring model's pooled output
     # With return_logprob (the top lists also with top_logprobs_num):
     output_token_logprobs: list[TokenLogprob] | None = None
     input_token_logprobs: list[TokenLogprob] | None = None
@@ -138,6 +139,20 @@ class TokenizerManager:
         # Called with (state, output, now) on every output, before the state takes it in.
         self.observers: list[Callable[[ReqState, ReqOutput, float], None]] = []
         self._loop_task: asyncio.Task | None = None
+        # What the model serves (model_loader.pooling.model_kind): "generate", "embed" or "score";
+        # set at launch. A request of another kind is a 400 (check_kind).
+        self.kind = "generate"
+
+    def check_kind(self, wanted: str, route: str) -> None:
+        """A 400 when this server's model does not serve `wanted` (lockstep.entrypoints.embedding_routes)."""
+        if self.kind == wanted:
+            return
+        serves = {"generate": "generates text", "embed": "serves embeddings",
+                  "score": "scores (rerank)"}[self.kind]
+        hint = {"generate": "start a server with a generative model",
+                "embed": "start a server with an embedding model (--is-embedding)",
+                "score": "start a server with a cross-encoder reranker model"}[wanted]
+        raise RequestError(f"{route}: this server's model {serves}; {hint}")
 
     def close(self) -> None:
         """Release the sockets; the output loop then ends by itself (ContextTerminated)."""
@@ -202,6 +217,8 @@ class TokenizerManager:
         # Given ids are the scheduler's to check against its vocabulary.
         ids = (list(req.input_ids) if req.input_ids is not None
                else await self.tokenize_text(req.input_text or ""))
+        if req.sampling_params.max_new_tokens != 0:  # the Engine's way in; routes check first
+            self.check_kind("generate", "generation")
         limit = self.args.max_queued_requests
         running = self.args.max_running_requests * self.replicas.count("active")
         if limit is not None and len(self.states) >= limit + running:
@@ -286,7 +303,8 @@ class TokenizerManager:
             new_token_ids=list(out.new_token_ids), prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
             finish_reason=out.finish_reason, e2e_latency=now - state.created,
-            dp_rank=out.dp_rank if self.args.dp_size > 1 else None, spec=out.spec)
+            dp_rank=out.dp_rank if self.args.dp_size > 1 else None, spec=out.spec,
+            embedding=out.embedding)
 
     def _with_text(self, entries: list[TokenLogprob], text: bool) -> list[TokenLogprob]:
         if not text:

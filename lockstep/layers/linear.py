@@ -85,7 +85,7 @@ class _BlockParts(nn.Module):
         if self.parts is None:
             return F.linear(x, self.weight, bias)
         y = matmul_parts(x, self.parts)
-        return y if bias is None else y + bias
+        return y if bias is None else y.add_(bias)  # y is fresh: no second [T, N] tensor
 
 
 class ColumnParallelLinear(_BlockParts):

@@ -116,6 +116,7 @@ class Req:
     sampling: SamplingState = field(default_factory=SamplingState)
     spec: SpecState = field(default_factory=SpecState)
     logprobs: LogprobState = field(default_factory=LogprobState)
+    embedding: list[float] | None = None  # an embedding model's pooled vector, once computed
 
     def limits_error(self, context_len: int, max_req_len: int, vocab_size: int) -> str | None:
         """Why the request can never run here (a 400), or None. `max_req_len` is the smaller of

@@ -456,17 +456,24 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     from lockstep.configs.model_config import ModelConfig
     from lockstep.detokenizer.incremental_detokenizer import load_tokenizer
     from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE
+    from lockstep.managers.embedding_args import embedding_args, with_separator
     from lockstep.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
     from lockstep.model_loader import resolve_model
+    from lockstep.model_loader.pooling import pooling_for
     from lockstep.model_loader.stop_tokens import stop_token_ids
 
     source = resolve_model(args.model_path)
     model_cfg = ModelConfig.from_hf(source.hf_config)
+    pooling = pooling_for(source.model_dir, source.hf_config, args.is_embedding)
+    if pooling is not None:
+        args, model_cfg = embedding_args(args), with_separator(model_cfg, source.model_dir)
 
     def read_files() -> tuple[ModelFiles, GrammarBackend | None]:
         """The tokenizer (stop strings, grammars), then the grammar vocabulary built from it."""
         got = files or ModelFiles(load_tokenizer(args),
                                   stop_token_ids(source.model_dir, model_cfg.eos_token_ids))
+        if pooling is not None:  # nothing is sampled: no grammar (a WordPiece vocabulary has none)
+            return got, None
         return got, grammar_backend_for(got.tokenizer, model_cfg.vocab_size, got.stop_token_ids,
                                         got.grammar_vocabulary)
 
@@ -483,7 +490,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
         reading = pool.submit(read_files)
         runner = ModelRunner(model_cfg, source, runner_cfg, tp or SINGLE, pp or NO_PIPELINE)
         read, grammar = reading.result()
-    worker = TpModelWorker(runner, args.micro_batches)
+    worker = TpModelWorker(runner, args.micro_batches, pooling)
     return Scheduler(args, worker, read.stop_token_ids, strict_integrity, grammar, read.tokenizer,
                      dp_rank)
 

@@ -87,6 +87,8 @@ class OutputProcessor:
                 self.queues.cache_unfinished(req)
                 continue
             if req.sampling_params.max_new_tokens == 0:
+                if res.embeddings is not None:
+                    req.embedding = res.embeddings[i]
                 self.queues.finish(req, FINISH_LENGTH(0))
                 continue
             reason = self._take_tokens(req, res, j, batch.samples[i])
@@ -173,7 +175,7 @@ class OutputProcessor:
             cached_tokens=req.cached_tokens,
             output_token_logprobs=out, output_top_logprobs=out_top,
             input_token_logprobs=prompt, input_top_logprobs=prompt_top,
-            dp_rank=self.dp_rank, text_limit=stops.text_limit(req.finished) if stops else None,
+            dp_rank=self.dp_rank, embedding=req.embedding, text_limit=stops.text_limit(req.finished) if stops else None,
             decode_options=(p.skip_special_tokens, p.spaces_between_special_tokens),
             spec=(s.verify_ct, s.drafted, s.accepted) if (s := req.spec.drafter) else None))
 

@@ -9,8 +9,10 @@ import torch
 from lockstep.distributed.communication import broadcast_pyobj
 from lockstep.forward_batch import split_forward_batch
 from lockstep.layers.sampler import sample
+from lockstep.managers import pooling_step
 from lockstep.managers.schedule_batch import ModelWorkerBatch
 from lockstep.model_executor.model_runner import ModelRunner
+from lockstep.model_loader.pooling import Pooling
 
 # Prompt-logprob rows are turned into logits this many at a time: a 262k-wide row costs 1 MB.
 PROMPT_LOGITS_SLICE = 64
@@ -24,11 +26,15 @@ class GenerationBatchResult:
     # per request: list of (logprob, token) for its prompt rows, or None
     prompt_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     prompt_top_logprobs: list[list[list[tuple[float, int]]] | None] = field(default_factory=list)
+    # An embedding or scoring model's: per request, its pooled vector (or scores); no tokens.
+    embeddings: list[list[float]] | None = None
 
 
 class TpModelWorker:
-    def __init__(self, runner: ModelRunner, micro_batches: int = 1) -> None:
+    def __init__(self, runner: ModelRunner, micro_batches: int = 1,
+                 pooling: Pooling | None = None) -> None:
         self.runner = runner
+        self.pooling = pooling  # None: the model generates; else its last step pools
         # --pp-micro-batches (ServerArgs.micro_batches): slices of a batch the pipeline stages
         # work on at once. Every rank holds the same value, so every rank splits alike.
         self.micro_batches = micro_batches
@@ -36,6 +42,12 @@ class TpModelWorker:
     @torch.inference_mode()
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
         pp = self.runner.pp
+        if self.pooling is not None:  # one stage (models/bert.py), every rank holds every row
+            fb = batch.forward_batch
+            pooling_step.all_rows(fb)
+            hidden = self.runner.forward(fb)
+            return GenerationBatchResult([], embeddings=pooling_step.pool(
+                hidden, fb.extend_lens, self.pooling, self.runner.model))
         # The micro-batches of this step. The split depends only on the batch, never on this
         # rank, and the last stage samples the rows of all of them together with the whole
         # batch's sampling info, so tokens (logprobs, prompt logprobs) do not depend on it.

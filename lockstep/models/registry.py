@@ -5,11 +5,13 @@ from torch import nn
 
 from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
+from lockstep.models.bert import BertModel
 from lockstep.models.gemma3 import Gemma3ForCausalLM
 from lockstep.models.llama import LlamaForCausalLM
 
-MODELS: dict[str, type[LlamaForCausalLM]] = {
-    **dict.fromkeys(("llama", "qwen2", "qwen3"), LlamaForCausalLM), "gemma3": Gemma3ForCausalLM}
+MODELS: dict[str, type[nn.Module]] = {
+    **dict.fromkeys(("llama", "qwen2", "qwen3"), LlamaForCausalLM), "gemma3": Gemma3ForCausalLM,
+    "bert": BertModel}
 
 
 def build_model(cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,

@@ -27,6 +27,7 @@ class Finished:
     input_logprobs: list[float | None] = field(default_factory=list)
     cached_tokens: int = 0
     spec: tuple[int, int, int] | None = None  # (verify passes, drafted, accepted), as meta_info's
+    embedding: list[float] | None = None  # an embedding model's pooled vector
 
 
 @functools.cache
@@ -93,6 +94,7 @@ def run_to_completion(sched: Scheduler, schedule: dict[int, list[Any]] | list[An
             r.input_logprobs.extend(e.logprob for e in out.input_token_logprobs)
             r.cached_tokens = out.cached_tokens
             r.spec = out.spec
+            r.embedding = out.embedding if out.embedding is not None else r.embedding
             if out.finish_reason is not None:
                 r.finish_reason = out.finish_reason
         if step >= last_input and sched.is_idle():

@@ -1,0 +1,106 @@
+"""Embed a corpus with all-MiniLM-L6-v2 side by side: lockstep's serving path (the scheduler and
+model runner in this process, as tests/model/test_bert.py drives them: no HTTP) against
+sentence-transformers, on the same torch threads, rounds interleaved (the machine is shared).
+Prints one JSON line per (system, round) and a summary: sentences/s, tokens/s, the latency of one
+short query, and the agreement of the vectors (min cosine, max element difference).
+
+    python benchmarks/embed_side_by_side.py --sentences 2000 --threads 2 --rounds 1
+
+Figures: docs/benchmarks.md, "Embeddings: all-MiniLM-L6-v2 against sentence-transformers (2026-12-05)"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.model_loader import resolve_model
+from lockstep.testing.corpus import random_prompt
+from lockstep.testing.embedding_oracle import embed_in_process
+from lockstep.testing.inproc import make_scheduler, packaged_tokenizer
+
+MODEL = "all-minilm-l6-v2"
+QUERY = "which animal eats bamboo in the mountains of China?"
+
+
+def corpus(tok, n: int, lo: int, hi: int, seed: int) -> tuple[list[str], list[list[int]]]:  # noqa: ANN001
+    """`n` runs of corpus words whose token counts (with [CLS] and [SEP]) are in [lo, hi]."""
+    rng = random.Random(seed)
+    texts: list[str] = []
+    ids: list[list[int]] = []
+    while len(texts) < n:
+        text = random_prompt(rng, rng.randint(lo * 2 // 3, hi * 3 // 4))
+        got = tok(text).input_ids
+        if lo <= len(got) <= hi:
+            texts.append(text)
+            ids.append(got)
+    return texts, ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sentences", type=int, default=2000)
+    ap.add_argument("--min-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' batch")
+    ap.add_argument("--max-running-requests", type=int, default=64, help="lockstep's batch")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from sentence_transformers import SentenceTransformer
+
+    tok = packaged_tokenizer(MODEL)
+    texts, ids = corpus(tok, args.sentences, args.min_tokens, args.max_tokens, seed=0)
+    n_tokens = sum(map(len, ids))
+    st = SentenceTransformer(str(resolve_model(MODEL).model_dir), device="cpu")
+    sched = make_scheduler(MODEL, max_running_requests=args.max_running_requests)
+    query_ids = tok(QUERY).input_ids
+    calls = 0
+
+    def lockstep_run(batch: list[list[int]]) -> list[list[float]]:
+        nonlocal calls
+        calls += 1
+        return embed_in_process(sched, batch, prefix=f"c{calls}-")
+
+    systems = {
+        "lockstep": (lambda: lockstep_run(ids), lambda: lockstep_run([query_ids])),
+        "sentence-transformers": (lambda: st.encode(texts, batch_size=args.batch_size).tolist(),
+                                  lambda: st.encode([QUERY]).tolist()),
+    }
+    for _, (_, one) in systems.items():  # warm both up
+        one()
+    rows: dict[str, list[dict]] = {name: [] for name in systems}
+    vectors: dict[str, torch.Tensor] = {}
+    for r in range(args.rounds):
+        for name, (embed_all, one) in systems.items():
+            t0 = time.perf_counter()
+            vectors[name] = torch.tensor(embed_all())
+            dt = time.perf_counter() - t0
+            lat = []
+            for _ in range(10):
+                t1 = time.perf_counter()
+                one()
+                lat.append(time.perf_counter() - t1)
+            row = {"system": name, "round": r, "sentences": len(texts), "tokens": n_tokens,
+                   "threads": args.threads, "seconds": round(dt, 2),
+                   "sentences_per_s": round(len(texts) / dt, 1),
+                   "tokens_per_s": round(n_tokens / dt, 0),
+                   "one_query_ms_median": round(statistics.median(lat) * 1e3, 1)}
+            rows[name].append(row)
+            print(json.dumps(row), flush=True)
+    a, b = vectors["lockstep"], vectors["sentence-transformers"]
+    best = {name: max(x["sentences_per_s"] for x in rs) for name, rs in rows.items()}
+    print(json.dumps({"summary": best,
+                      "lockstep_over_st": round(best["lockstep"] / best["sentence-transformers"], 2),
+                      "min_cosine": F.cosine_similarity(a, b).min().item(),
+                      "max_abs_diff": (a - b).abs().max().item()}))
+
+
+if __name__ == "__main__":
+    main()
