@@ -1,5 +1,6 @@
 """The wire messages between processes, grouped by direction, and the one serializer they all
-go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq; a replica's input
+go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq,
+LoadLoraAdapterReq, UnloadLoraAdapterReq (answered by LoraUpdateOut); a replica's input
 rank -> its every rank (in the broadcast inputs): GrammarsReady; scheduler -> detokenizer:
 BatchTokenIDOut (and FlushCacheOut, passed through); detokenizer -> front: BatchStrOut;
 scheduler -> DP controller: LoadReport."""
@@ -34,6 +35,7 @@ class TokenizedGenerateReq:
     return_text_in_logprobs: bool = False
     prompt_index: int = 0
     sample_index: int = 0
+    lora_path: str | None = None  # the LoRA adapter's name (SGLang's field name); None: the base
 
 
 @dataclass
@@ -48,6 +50,28 @@ class AbortReq:
 @dataclass
 class FlushCacheReq:
     pass
+
+
+@dataclass
+class LoadLoraAdapterReq:
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class UnloadLoraAdapterReq:
+    lora_name: str
+
+
+@dataclass
+class LoraUpdateOut:
+    """A load or unload's outcome: `status` is the HTTP status; `adapters` {name: path} loaded
+    after it."""
+
+    success: bool
+    message: str = ""
+    status: int = 200
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

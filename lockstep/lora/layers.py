@@ -1,0 +1,137 @@
+"""The low-rank products beside each linear's base matmul (S-LoRA / Punica's shape): the base
+multiplies the whole batch once, in its blocks or floats, as the weight plan chose; then for each
+run of rows that belongs to one adapter, x A^T B^T (B scaled by PEFT's alpha / r) is added to those
+rows' outputs. Rows of the base model get nothing added, so their numbers are the base's.
+
+Batch invariance: torch's matmul picks its blocking by the number of rows, so a row's sum would
+depend on its neighbours. `rowwise` multiplies each row alone (a batched product of 1-row
+matrices, the same small kernel for every row), so a request's output is the same alone and in a
+batch that mixes adapters (tests/model/test_lora.py checks bitwise).
+
+Tensor parallelism: A is whole (each rank's linear sees every input column: column-parallel
+layers take x whole, row-parallel ones gather it first) and B keeps the output rows of this
+rank's shard, the rows its base weight keeps, so the delta lands on the rank's own outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lockstep.forward_batch import ForwardBatch
+from lockstep.lora.adapter import LoraAdapter
+
+# our fused linear (its path in a decoder layer) -> the PEFT modules its outputs hold, in order
+LINEARS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
+           "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+
+
+def rowwise(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ wt [K, N], each row multiplied alone: its bits never depend on T."""
+    return torch.bmm(x.unsqueeze(1), wt.expand(x.shape[0], *wt.shape)).squeeze(1)
+
+
+@dataclass
+class LoraBatch:
+    """This forward's adapter rows, shared by every LoraLinear of the model: (first row, end
+    row, slot) per run of consecutive rows of one adapter."""
+
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _SlotWeights:
+    a: torch.Tensor  # [K, sum of r over the present modules]: every module's A^T side by side
+    # per present module: (output column offset, output width, its columns of the shrunk rows, B^T)
+    b: tuple[tuple[int, int, int, int, torch.Tensor], ...]
+
+
+class LoraLinear:
+    """One linear's adapters in the resident slots, and the product it adds to the base output."""
+
+    def __init__(self, subs: tuple[str, ...], rows: list[tuple[int, int]], batch: LoraBatch,
+                 n_slots: int) -> None:
+        self.subs = subs
+        self.rows = rows  # per module: the rows of its whole B this rank keeps
+        self.offsets = [sum(e - s for s, e in rows[:i]) for i in range(len(rows))]
+        self.batch = batch
+        self.slots: list[_SlotWeights | None] = [None] * n_slots
+
+    def set_slot(self, slot: int, ab: list[tuple[torch.Tensor, torch.Tensor] | None],
+                 like: torch.Tensor) -> None:
+        """Slot `slot` holds these modules' (A, B) (None: not adapted), on `like`'s device/dtype."""
+        present = [(i, a, b) for i, pair in enumerate(ab) if pair is not None for a, b in [pair]]
+        if not present:
+            self.slots[slot] = None
+            return
+        conv = lambda t: t.to(device=like.device, dtype=like.dtype)  # noqa: E731
+        a = conv(torch.cat([a for _, a, _ in present]).T.contiguous())
+        b, col = [], 0
+        for i, a_i, b_i in present:
+            start, end = self.rows[i]
+            b.append((self.offsets[i], end - start, col, col + a_i.shape[0],
+                      conv(b_i[start:end].T.contiguous())))
+            col += a_i.shape[0]
+        self.slots[slot] = _SlotWeights(a, tuple(b))
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the base's output for rows x) with each adapter row's low-rank product added."""
+        for start, end, slot in self.batch.segments:
+            w = self.slots[slot]
+            if w is None:
+                continue
+            h = rowwise(x[start:end], w.a)
+            for off, n, lo, hi, bt in w.b:
+                y[start:end, off:off + n] += rowwise(h[:, lo:hi], bt)
+        return y
+
+
+def _rows(linear: nn.Module, subs: tuple[str, ...]) -> list[tuple[int, int]]:
+    """The rows of each module's whole B that this rank's shard of `linear` holds (as its
+    weight_loader keeps the base's rows)."""
+    tp = linear.tp
+    if subs[0] == "q_proj":
+        d, q, kv = linear.head_dim, linear.n_heads_local * linear.head_dim, linear.n_kv_local * linear.head_dim
+        k0 = linear.kv_head_start() * d
+        return [(tp.rank * q, (tp.rank + 1) * q), (k0, k0 + kv), (k0, k0 + kv)]
+    if subs[0] == "gate_proj":
+        return [tp.shard_range(n) for n in linear.out_sizes]
+    return [tp.shard_range(linear.out_local * tp.size)]
+
+
+class LoraLayers:
+    """Every adapted linear of a model (this rank's layers), the batch they read, and the slots."""
+
+    def __init__(self, model: nn.Module, targets: frozenset[str], n_slots: int) -> None:
+        self.batch = LoraBatch()
+        self.n_slots = n_slots
+        self.linears: list[tuple[int, LoraLinear]] = []  # (layer index, its adapted linear)
+        for i, layer in enumerate(model.stage_layers):
+            for path, subs in LINEARS.items():
+                if not targets & set(subs):
+                    continue
+                linear = layer.get_submodule(path)
+                linear.lora = LoraLinear(subs, _rows(linear, subs), self.batch, n_slots)
+                self.linears.append((model.start_layer + i, linear.lora))
+        model.after_loading()  # adapted layers run their modules, not the one-call layer
+        self._like = next(model.parameters())
+
+    def set_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Make `adapter` resident in `slot` on every adapted linear (None: empty the slot)."""
+        for layer, lin in self.linears:
+            ab = [adapter.weights.get((layer, s)) if adapter else None for s in lin.subs]
+            lin.set_slot(slot, ab, self._like)
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        """This forward's runs of adapter rows, from each request's slot (-1: the base model)."""
+        segs: list[tuple[int, int, int]] = []
+        row = 0
+        for slot, n in zip(fb.lora_slots or [], fb.extend_lens.tolist()):
+            if slot >= 0 and n:
+                if segs and segs[-1][2] == slot and segs[-1][1] == row:
+                    segs[-1] = (segs[-1][0], row + n, slot)
+                else:
+                    segs.append((row, row + n, slot))
+            row += n
+        self.batch.segments = segs
