@@ -13,7 +13,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
 from lockstep import __version__
-from lockstep.entrypoints import chat_page, native_routes, openai_routes
+from lockstep.entrypoints import chat_page, lora_routes, native_routes, openai_routes
 from lockstep.entrypoints.app_state import AppState
 from lockstep.entrypoints.engine import Launched
 from lockstep.entrypoints.errors import install_error_handlers
@@ -27,6 +27,7 @@ from lockstep.utils.http import ErrorResponse
 ROUTERS: tuple[APIRouter, ...] = (
     native_routes.router,
     openai_routes.router,
+    lora_routes.router,  # /load_lora_adapter, /v1/unload_lora_adapter ...
     chat_page.router,  # GET /: the chat page
 )
 

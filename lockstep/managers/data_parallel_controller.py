@@ -16,8 +16,10 @@ import zmq
 from lockstep.messages import (
     AbortReq,
     FlushCacheReq,
+    LoadLoraAdapterReq,
     LoadReport,
     TokenizedGenerateReq,
+    UnloadLoraAdapterReq,
     decode,
     encode,
     recv_all,
@@ -135,7 +137,7 @@ def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket], owner: Orde
         outs[target].send(encode(msg))
     elif isinstance(msg, AbortReq) and msg.rid in owner:
         outs[owner[msg.rid]].send(encode(msg))
-    elif isinstance(msg, (AbortReq, FlushCacheReq)):
+    elif isinstance(msg, (AbortReq, FlushCacheReq, LoadLoraAdapterReq, UnloadLoraAdapterReq)):
         for s in outs:
             s.send(encode(msg))
     else:
