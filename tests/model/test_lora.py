@@ -139,3 +139,30 @@ def test_loads_that_do_not_fit_are_refused_and_disturb_nothing(adapters, tmp_pat
     assert [r.status for r in sched.control_replies[-2:]] == [200, 404]
     gone = run_to_completion(sched, [_req("d", prompt, "ok")])["d"]
     assert gone.finish_reason.status_code == 404
+
+
+def test_an_adapter_over_block_quantized_weights(adapters, tmp_path) -> None:
+    """The base stays in its Q8_0 blocks (the exact kernel reads them) and the adapter runs
+    beside them: PEFT's output over the same weights dequantized to floats."""
+    from lockstep.layers.block_weight import BlockWeight
+    from lockstep.model_loader import resolve_model
+    from lockstep.testing.gguf_writer import write_gguf
+    from lockstep.testing.hf_weights import hf_float_model
+    from lockstep.testing.tiny_models import tiny_hf_model
+
+    model_dir, adapter = adapters["all"]
+    gguf_path = write_gguf(tiny_hf_model("llama"), "llama", tmp_path / "q8.gguf", quantize=True)
+    sched = make_scheduler(gguf_path, max_total_tokens=2048, lora_paths=[f"all={adapter}"],
+                           int8_activations=False)
+    qkv = sched.worker.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.parts and all(isinstance(p, BlockWeight) and p.qtype.value == "Q8_0" for p in qkv.parts)
+    prompts = tiny_prompts(model_dir, 3, seed=19)
+    got = run_to_completion(sched, [_req(f"r{i}", p, "all") for i, p in enumerate(prompts)])
+    entry = resolve_model(str(gguf_path)).model_dir  # the GGUF's cache entry: its blocks dequantized
+    expected = hf_greedy(model_dir, prompts, NEW, model=peft_model(model_dir, adapter, base=hf_float_model(entry)))
+    plain = hf_greedy(model_dir, prompts, NEW, model=hf_float_model(entry))
+    for i, exp in enumerate(expected):
+        assert greedy_matches(got[f"r{i}"].output_ids, exp), (i, got[f"r{i}"].output_ids, exp.output_ids)
+        if got[f"r{i}"].output_ids == exp.output_ids:
+            assert got[f"r{i}"].logprobs == pytest.approx(exp.logprobs, abs=2e-4)
+    assert any(got[f"r{i}"].output_ids != p.output_ids for i, p in enumerate(plain))
