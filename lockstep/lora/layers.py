@@ -32,19 +32,21 @@ def rowwise(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.unsqueeze(1), wt.expand(x.shape[0], *wt.shape)).squeeze(1)
 
 
+Rows = slice | torch.Tensor  # a run of consecutive rows, or the rows' indices
+
+
 @dataclass
 class LoraBatch:
-    """This forward's adapter rows, shared by every LoraLinear of the model: (first row, end
-    row, slot) per run of consecutive rows of one adapter."""
+    """This forward's adapter rows, shared by every LoraLinear of the model: per adapter slot
+    in the batch, its rows (wherever the scheduler placed its requests)."""
 
-    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    groups: list[tuple[int, Rows]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class _SlotWeights:
     a: torch.Tensor  # [K, sum of r over the present modules]: every module's A^T side by side
-    # per present module: (output column offset, output width, its columns of the shrunk rows, B^T)
-    b: tuple[tuple[int, int, int, int, torch.Tensor], ...]
+    b: torch.Tensor  # [sum of r, local outputs]: each module's B^T in its rows and output columns
 
 
 class LoraLinear:
@@ -54,7 +56,8 @@ class LoraLinear:
                  n_slots: int) -> None:
         self.subs = subs
         self.rows = rows  # per module: the rows of its whole B this rank keeps
-        self.offsets = [sum(e - s for s, e in rows[:i]) for i in range(len(rows))]
+        self.widths = [e - s for s, e in rows]
+        self.offsets = [sum(self.widths[:i]) for i in range(len(rows))]
         self.batch = batch
         self.slots: list[_SlotWeights | None] = [None] * n_slots
 
@@ -65,25 +68,29 @@ class LoraLinear:
         if not present:
             self.slots[slot] = None
             return
-        conv = lambda t: t.to(device=like.device, dtype=like.dtype)  # noqa: E731
-        a = conv(torch.cat([a for _, a, _ in present]).T.contiguous())
-        b, col = [], 0
+        # B^T block-diagonal: one product expands every module's rows into its own outputs
+        # (the zeros add nothing), and modules the adapter leaves out get zeros
+        b = torch.zeros(sum(a.shape[0] for _, a, _ in present), self.offsets[-1] + self.widths[-1])
+        col = 0
         for i, a_i, b_i in present:
             start, end = self.rows[i]
-            b.append((self.offsets[i], end - start, col, col + a_i.shape[0],
-                      conv(b_i[start:end].T.contiguous())))
+            b[col:col + a_i.shape[0], self.offsets[i]:self.offsets[i] + end - start] = b_i[start:end].T
             col += a_i.shape[0]
-        self.slots[slot] = _SlotWeights(a, tuple(b))
+        a = torch.cat([a for _, a, _ in present]).T.contiguous()
+        conv = lambda t: t.to(device=like.device, dtype=like.dtype)  # noqa: E731
+        self.slots[slot] = _SlotWeights(conv(a), conv(b))
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base's output for rows x) with each adapter row's low-rank product added."""
-        for start, end, slot in self.batch.segments:
+        for slot, rows in self.batch.groups:
             w = self.slots[slot]
             if w is None:
                 continue
-            h = rowwise(x[start:end], w.a)
-            for off, n, lo, hi, bt in w.b:
-                y[start:end, off:off + n] += rowwise(h[:, lo:hi], bt)
+            delta = rowwise(rowwise(x[rows], w.a), w.b)
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
         return y
 
 
@@ -124,14 +131,16 @@ class LoraLayers:
             lin.set_slot(slot, ab, self._like)
 
     def prepare(self, fb: ForwardBatch) -> None:
-        """This forward's runs of adapter rows, from each request's slot (-1: the base model)."""
-        segs: list[tuple[int, int, int]] = []
-        row = 0
+        """This forward's rows of each adapter, from each request's slot (-1: the base model):
+        a slice where they are consecutive, else their indices."""
+        rows: dict[int, list[int]] = {}
+        at = 0
         for slot, n in zip(fb.lora_slots or [], fb.extend_lens.tolist()):
-            if slot >= 0 and n:
-                if segs and segs[-1][2] == slot and segs[-1][1] == row:
-                    segs[-1] = (segs[-1][0], row + n, slot)
-                else:
-                    segs.append((row, row + n, slot))
-            row += n
-        self.batch.segments = segs
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(at, at + n))
+            at += n
+        device = fb.input_ids.device
+        self.batch.groups = [
+            (slot, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r)
+             else torch.tensor(r, dtype=torch.int64, device=device))
+            for slot, r in sorted(rows.items()) if r]

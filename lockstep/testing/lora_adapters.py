@@ -39,3 +39,34 @@ def peft_model(model_dir: Path, adapter_dir: Path, base: torch.nn.Module | None 
     model = PeftModel.from_pretrained(base if base is not None else hf_float_model(model_dir),
                                       str(adapter_dir))
     return model.eval()
+
+
+def random_adapter(model_cfg, out_dir: Path, *, seed: int, rank: int = 16, alpha: float = 32,
+                   targets: Sequence[str] = TARGET_MODULES, b_std: float = 0.01) -> Path:
+    """A PEFT-format adapter directory for a model of `model_cfg` (lockstep's ModelConfig) written
+    directly, without loading the model: for benchmarks on packaged (GGUF) models."""
+    import json
+
+    from safetensors.torch import save_file
+
+    c = model_cfg
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
+              "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
+              "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c.num_layers):
+        for m in targets:
+            n_in, n_out = shapes[m]
+            part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * b_std
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+         "lora_dropout": 0.0, "bias": "none"}))
+    return out
