@@ -166,3 +166,27 @@ def test_an_adapter_over_block_quantized_weights(adapters, tmp_path) -> None:
         if got[f"r{i}"].output_ids == exp.output_ids:
             assert got[f"r{i}"].logprobs == pytest.approx(exp.logprobs, abs=2e-4)
     assert any(got[f"r{i}"].output_ids != p.output_ids for i, p in enumerate(plain))
+
+
+@pytest.mark.parametrize("changes", [{"speculative_algorithm": "NONE"}, {"enable_overlap_schedule": True},
+                                     {"chunked_prefill_size": 8, "enable_mixed_chunk": True}],
+                         ids=["no-speculation", "overlap", "chunked-mixed"])
+def test_adapters_give_the_same_bits_under_other_schedules(adapters, changes) -> None:
+    """Speculation (the default on a CPU) against plain decoding, the overlap loop, chunked prefills
+    mixed with decodes: the adapters' and the base's outputs do not change. A grammar constrains an
+    adapter's output as it does the base's."""
+    model = adapters["all"][0]
+    prompts = tiny_prompts(model, 4, seed=23, min_words=12)
+    loras = ["all", "qv", None, "all"]
+    reqs = lambda: [_req(f"r{i}", p, n, 10) for i, (p, n) in enumerate(zip(prompts, loras))]  # noqa: E731
+    default = run_to_completion(_serve(model, adapters, ["all", "qv"]), reqs())
+    other = run_to_completion(_serve(model, adapters, ["all", "qv"], **changes), reqs())
+    for rid, out in default.items():
+        assert other[rid].output_ids == out.output_ids, rid
+        assert torch.equal(torch.tensor(other[rid].logprobs), torch.tensor(out.logprobs)), rid
+    sched = _serve(model, adapters, ["all"], **changes)
+    constrained = run_to_completion(sched, [greedy_req("g", prompts[0], 12, regex="(ab|cd){2,4}x",
+                                                       lora_path="all", ignore_eos=False)])["g"]
+    import re
+
+    assert re.fullmatch("(ab|cd){2,4}x", sched.tokenizer.decode(constrained.output_ids))
