@@ -6,7 +6,9 @@ rows' outputs. Rows of the base model get nothing added, so their numbers are th
 Batch invariance: torch's matmul picks its blocking by the number of rows, so a row's sum would
 depend on its neighbours. `rowwise` multiplies each row alone (a batched product of 1-row
 matrices, the same small kernel for every row), so a request's output is the same alone and in a
-batch that mixes adapters (tests/model/test_lora.py checks bitwise).
+batch that mixes adapters (tests/model/test_lora.py checks bitwise). On a CPU in float32 the
+compiled exact kernel does it (each output summed in a fixed order, kernels.linear), else a
+batched product of 1-row matrices.
 
 Tensor parallelism: A is whole (each rank's linear sees every input column: column-parallel
 layers take x whole, row-parallel ones gather it first) and B keeps the output rows of this
@@ -19,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lockstep import kernels
 from lockstep.forward_batch import ForwardBatch
+from lockstep.layers.block_weight import BlockWeight, block_matmul, float32_rows
 from lockstep.lora.adapter import LoraAdapter
 
 # our fused linear (its path in a decoder layer) -> the PEFT modules its outputs hold, in order
@@ -43,10 +47,30 @@ class LoraBatch:
     groups: list[tuple[int, Rows]] = field(default_factory=list)
 
 
+# A row-wise product's weight: float32 rows [N, K] for the exact kernel (kernels.linear: each
+# output summed in a fixed order, whatever the other rows), or W^T [K, N] for `rowwise`.
+Weight = BlockWeight | torch.Tensor
+
+
+def row_product(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x [T, K] times the weight, each row's bits independent of T."""
+    return block_matmul(x.contiguous(), w) if isinstance(w, BlockWeight) else rowwise(x, w)
+
+
+def _weight(w: torch.Tensor, like: torch.Tensor) -> Weight:
+    """[N, K] as the row-wise product reads it: float32 rows on a CPU whose exact kernel is
+    compiled (faster than torch's batched 1-row products), W^T elsewhere."""
+    n, k = w.shape
+    if (like.device.type == "cpu" and like.dtype == torch.float32 and kernels.compiled("linear")
+            and k % kernels.GROUP == 0):
+        return float32_rows(w.contiguous())
+    return w.T.contiguous().to(device=like.device, dtype=like.dtype)
+
+
 @dataclass(frozen=True)
 class _SlotWeights:
-    a: torch.Tensor  # [K, sum of r over the present modules]: every module's A^T side by side
-    b: torch.Tensor  # [sum of r, local outputs]: each module's B^T in its rows and output columns
+    a: Weight  # every present module's A stacked: [sum of r (padded), K]
+    b: Weight  # each module's B in its columns and output rows (block diagonal): [local outputs, sum of r]
 
 
 class LoraLinear:
@@ -68,17 +92,20 @@ class LoraLinear:
         if not present:
             self.slots[slot] = None
             return
-        # B^T block-diagonal: one product expands every module's rows into its own outputs
-        # (the zeros add nothing), and modules the adapter leaves out get zeros
-        b = torch.zeros(sum(a.shape[0] for _, a, _ in present), self.offsets[-1] + self.widths[-1])
+        # B block-diagonal: one product expands every module's rows into its own outputs (the
+        # zeros add nothing), modules the adapter leaves out get zeros; the rank is padded with
+        # zeros to whole groups of the exact kernel's 32 columns
+        r = sum(a.shape[0] for _, a, _ in present)
+        r_pad = -(-r // kernels.GROUP) * kernels.GROUP
+        a = torch.zeros(r_pad, present[0][1].shape[1])
+        b = torch.zeros(self.offsets[-1] + self.widths[-1], r_pad)
         col = 0
         for i, a_i, b_i in present:
             start, end = self.rows[i]
-            b[col:col + a_i.shape[0], self.offsets[i]:self.offsets[i] + end - start] = b_i[start:end].T
+            a[col:col + a_i.shape[0]] = a_i
+            b[self.offsets[i]:self.offsets[i] + end - start, col:col + a_i.shape[0]] = b_i[start:end]
             col += a_i.shape[0]
-        a = torch.cat([a for _, a, _ in present]).T.contiguous()
-        conv = lambda t: t.to(device=like.device, dtype=like.dtype)  # noqa: E731
-        self.slots[slot] = _SlotWeights(conv(a), conv(b))
+        self.slots[slot] = _SlotWeights(_weight(a, like), _weight(b, like))
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base's output for rows x) with each adapter row's low-rank product added."""
@@ -86,7 +113,7 @@ class LoraLinear:
             w = self.slots[slot]
             if w is None:
                 continue
-            delta = rowwise(rowwise(x[rows], w.a), w.b)
+            delta = row_product(row_product(x[rows], w.a), w.b)
             if isinstance(rows, slice):
                 y[rows] += delta
             else:

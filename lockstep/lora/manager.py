@@ -109,6 +109,12 @@ class LoraManager:
         self.last_used[slot] = now
         return True
 
+    def grouped(self, reqs: list) -> list:
+        """`reqs` (scheduler Reqs) stably ordered by slot, the base's first: each adapter's rows
+        of a decode batch are then one run, multiplied without gathering them (a request's
+        numbers do not depend on its place in the batch)."""
+        return sorted(reqs, key=lambda r: self.slot_of(r.lora))
+
     def slot_of(self, adapter: LoraAdapter | None) -> int:
         """The adapter's slot (it must be resident: admitted requests' are), -1 for the base."""
         return -1 if adapter is None else self.slots.index(adapter)

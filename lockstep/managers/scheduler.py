@@ -342,6 +342,8 @@ class Scheduler:
             self.loop.resolve()
         if not self.running:
             return None
+        if self.lora is not None:
+            self.running = self.lora.grouped(self.running)
         loc = None
         if self.speculator is not None:
             loc = self.speculator.draft(self.running, self.max_req_len, self._alloc)
