@@ -126,7 +126,7 @@ def read_peft(name: str, path: str, num_layers: int) -> LoraAdapter:
     """The adapter at `path` (a PEFT directory), checked against a model of `num_layers` layers."""
     root = Path(path)
     if not root.is_dir():
-        raise AdapterError(f"LoRA adapter {name!r}: {path} is not a directory")
+        raise AdapterError(f"LoRA adapter {name!r}: {path} is not a directory (a PEFT adapter) nor a .gguf file")
     cfg = _config(root)
     files = [root / "adapter_model.safetensors"]
     if not files[0].is_file():

@@ -14,7 +14,9 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable
 
+from lockstep.configs.model_config import ModelConfig
 from lockstep.lora.adapter import AdapterError, LoraAdapter, fits_error, read_peft
+from lockstep.lora.gguf_adapter import is_gguf, read_gguf_lora
 from lockstep.lora.layers import LoraLayers
 from lockstep.messages import LoadLoraAdapterReq, LoraUpdateOut, UnloadLoraAdapterReq
 
@@ -22,10 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 class LoraManager:
-    def __init__(self, layers: LoraLayers, num_layers: int, max_rank: int,
+    def __init__(self, layers: LoraLayers, model_cfg: ModelConfig, max_rank: int,
                  targets: frozenset[str], max_loaded: int | None) -> None:
         self.layers = layers
-        self.num_layers = num_layers
+        self.model_cfg = model_cfg
         self.max_rank = max_rank
         self.targets = targets
         self.max_loaded = max_loaded
@@ -47,7 +49,7 @@ class LoraManager:
             return self._failed(f"{len(self.adapters)} LoRA adapters are loaded, the most this server "
                                 f"holds (--max-loaded-loras {self.max_loaded}); unload one first")
         try:
-            adapter = read_peft(name, path, self.num_layers)
+            adapter = read_adapter(name, path, self.model_cfg)
         except AdapterError as e:
             return self._failed(str(e), e.status)
         except OSError as e:
@@ -129,13 +131,13 @@ def create_lora_manager(args, runner) -> LoraManager:  # noqa: ANN001 - ServerAr
     targets of --lora-paths (SGLang's rule), else 64 and every linear."""
     from lockstep.lora.adapter import TARGET_MODULES, parse_lora_paths, parse_targets
 
-    n_layers = runner.model_cfg.num_layers
-    first = [read_peft(name, path, n_layers) for name, path in parse_lora_paths(args.lora_paths).items()]
+    cfg = runner.model_cfg
+    first = [read_adapter(name, path, cfg) for name, path in parse_lora_paths(args.lora_paths).items()]
     targets = parse_targets(args.lora_target_modules) or (
         frozenset().union(*(a.config.targets for a in first)) if first else frozenset(TARGET_MODULES))
     max_rank = args.max_lora_rank or max((a.rank for a in first), default=DEFAULT_MAX_RANK)
     runner.lora = LoraLayers(runner.model, targets, args.max_loras_per_batch)
-    manager = LoraManager(runner.lora, n_layers, max_rank, targets, args.max_loaded_loras)
+    manager = LoraManager(runner.lora, cfg, max_rank, targets, args.max_loaded_loras)
     for adapter in first:
         done = manager.load(adapter.name, adapter.path)
         if not done.success:
@@ -149,3 +151,10 @@ def lora_of(manager: LoraManager | None, name: str) -> LoraAdapter:
         raise AdapterError(f"lora_path {name!r}: this server serves no LoRA adapters (start it "
                            "with --enable-lora or --lora-paths)")
     return manager.lookup(name)
+
+
+def read_adapter(name: str, path: str, cfg: ModelConfig) -> LoraAdapter:
+    """A PEFT directory, or llama.cpp's GGUF LoRA file (a path ending .gguf)."""
+    if is_gguf(path):
+        return read_gguf_lora(name, path, cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+    return read_peft(name, path, cfg.num_layers)

@@ -70,3 +70,36 @@ def random_adapter(model_cfg, out_dir: Path, *, seed: int, rank: int = 16, alpha
         {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
          "lora_dropout": 0.0, "bias": "none"}))
     return out
+
+
+def write_gguf_lora(adapter_dir: Path, arch: str, model_cfg, out: Path, f16: bool = False) -> Path:
+    """A PEFT adapter as llama.cpp's convert_lora_to_gguf writes it: `<gguf name>.lora_a` and
+    `.lora_b`, Llama's q/k rows permuted as llama.cpp permutes them (on B), adapter.lora.alpha."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from lockstep.lora.adapter import _KEY
+    from lockstep.testing.gguf_writer import GGUF_ARCH, _permute
+
+    cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    names = gguf.get_tensor_name_map(GGUF_ARCH[arch], model_cfg.num_layers)
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[GGUF_ARCH[arch]])
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(cfg["lora_alpha"]))
+    for key, t in sorted(load_file(str(Path(adapter_dir) / "adapter_model.safetensors")).items()):
+        m = _KEY.search(key)
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        base = names.get_name(f"model.layers.{layer}.{part}.{module}")
+        a = t.float().numpy()
+        if ab == "B" and arch == "llama" and module in ("q_proj", "k_proj"):
+            a = _permute(a, model_cfg.num_heads if module == "q_proj" else model_cfg.num_kv_heads)
+        w.add_tensor(f"{base}.weight.lora_{ab.lower()}", a.astype("float16" if f16 else "float32"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)

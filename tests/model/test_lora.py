@@ -190,3 +190,27 @@ def test_adapters_give_the_same_bits_under_other_schedules(adapters, changes) ->
     import re
 
     assert re.fullmatch("(ab|cd){2,4}x", sched.tokenizer.decode(constrained.output_ids))
+
+
+@pytest.mark.parametrize("name", ["all", "gemma"])
+def test_a_gguf_lora_file_serves_as_its_peft_directory(adapters, name, tmp_path) -> None:
+    """llama.cpp's LoRA GGUF of an adapter (Llama's q/k rows permuted as llama.cpp permutes them)
+    gives the PEFT directory's outputs bit for bit (float32 tensors), and close ones in float16
+    (these random adapters are strong: float16 rounding moves logprobs by up to a tenth)."""
+    from lockstep.configs.model_config import ModelConfig
+    from lockstep.model_loader import resolve_model
+    from lockstep.testing.lora_adapters import write_gguf_lora
+
+    model, adapter = adapters[name]
+    cfg = ModelConfig.from_hf(resolve_model(str(model)).hf_config)
+    f32 = write_gguf_lora(adapter, cfg.arch, cfg, tmp_path / "a.gguf")
+    f16 = write_gguf_lora(adapter, cfg.arch, cfg, tmp_path / "a16.gguf", f16=True)
+    prompts = tiny_prompts(model, 3, seed=29)
+    sched = make_scheduler(model, max_total_tokens=2048,
+                           lora_paths=[f"dir={adapter}", f"f32={f32}", f"f16={f16}"])
+    got = run_to_completion(sched, [_req(f"{n}{i}", p, n) for n in ("dir", "f32", "f16")
+                                    for i, p in enumerate(prompts)])
+    for i in range(len(prompts)):
+        assert got[f"f32{i}"].output_ids == got[f"dir{i}"].output_ids
+        assert got[f"f32{i}"].logprobs == got[f"dir{i}"].logprobs
+        assert got[f"f16{i}"].logprobs == pytest.approx(got[f"dir{i}"].logprobs, abs=0.25)  # rounded B, amplified
