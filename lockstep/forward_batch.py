@@ -46,6 +46,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] new tokens in this pass
     logits_indices: torch.Tensor  # [S] flat positions whose logits are computed
     attn: AttentionMetadata | None = None
+    lora_slots: list[int] | None = None  # [B] each request's LoRA slot, -1 the base (lockstep.lora)
 
     @property
     def batch_size(self) -> int:
@@ -132,5 +133,6 @@ def split_forward_batch(fb: ForwardBatch, n: int) -> list[ForwardBatch]:
             mode=fb.mode, input_ids=fb.input_ids[t0:t1], positions=fb.positions[t0:t1],
             out_cache_loc=fb.out_cache_loc[t0:t1], req_pool_indices=fb.req_pool_indices[start:end],
             prefix_lens=fb.prefix_lens[start:end], extend_lens=fb.extend_lens[start:end],
-            logits_indices=li[(li >= t0) & (li < t1)] - t0))
+            logits_indices=li[(li >= t0) & (li < t1)] - t0,
+            lora_slots=fb.lora_slots[start:end] if fb.lora_slots is not None else None))
     return parts

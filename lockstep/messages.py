@@ -1,5 +1,6 @@
 """The wire messages between processes, grouped by direction, and the one serializer they all
-go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq (and, to the DP
+go through. front -> scheduler: TokenizedGenerateReq, AbortReq, FlushCacheReq,
+LoadLoraAdapterReq, UnloadLoraAdapterReq (answered by LoraUpdateOut) (and, to the DP
 controller only, ReplicaChange); a replica's input
 rank -> its every rank (in the broadcast inputs): GrammarsReady; scheduler -> detokenizer:
 BatchTokenIDOut (and FlushCacheOut, passed through); detokenizer -> front: BatchStrOut;
@@ -50,6 +51,7 @@ class TokenizedGenerateReq:
     prompt_index: int = 0
     sample_index: int = 0
     session_params: SessionParams | None = None
+    lora_path: str | None = None  # the LoRA adapter's name (SGLang's field name); None: the base
 
 
 @dataclass
@@ -76,6 +78,28 @@ class ReplicaChange:
     op: str  # add | activate | remove | retire
     dp_rank: int
     input_ipc: str = ""
+
+
+@dataclass
+class LoadLoraAdapterReq:
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class UnloadLoraAdapterReq:
+    lora_name: str
+
+
+@dataclass
+class LoraUpdateOut:
+    """A load or unload's outcome: `status` is the HTTP status; `adapters` {name: path} loaded
+    after it."""
+
+    success: bool
+    message: str = ""
+    status: int = 200
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

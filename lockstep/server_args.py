@@ -16,6 +16,7 @@ from lockstep.layers.quantization import (
     int8_activation_problems,
     quantization_problems,
 )
+from lockstep.lora.adapter import lora_arg_problems
 from lockstep.model_loader.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from lockstep.utils.flags import add_flags, below_min, flag
 from lockstep.utils.process import free_port
@@ -189,6 +190,22 @@ class ServerArgs:
         6, "Longest suffix (tokens) matched to draft.", "speculative decoding", min=1)
     speculative_ngram_capacity: int = flag(
         100_000, "N-grams of finished requests kept for drafting.", "speculative decoding", min=0)
+    enable_lora: bool = flag(False, "Serve LoRA adapters (implied by --lora-paths; docs/lora.md).", "lora")
+    lora_paths: list[str] = flag(
+        [], "PEFT adapter directories loaded at start, as name=path (a request names its adapter: "
+            "lora_path on /generate, model 'base:name' or 'name' on the OpenAI routes).", "lora")
+    max_loras_per_batch: int = flag(
+        8, "Adapters resident at once (one batch mixes at most this many); requests for others "
+           "wait until a slot frees.", "lora", min=1)
+    max_lora_rank: int | None = flag(
+        None, "Largest adapter rank this server loads. Default: the largest of --lora-paths "
+              "(64 without them).", "lora", min=1)
+    lora_target_modules: list[str] = flag(
+        [], "Modules adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, "
+            "or all. Default: those of --lora-paths (all without them).", "lora")
+    max_loaded_loras: int | None = flag(
+        None, "Most adapters held in host memory (POST /load_lora_adapter beyond it is a 400). "
+              "Default: no limit.", "lora", min=1)
     tp_size: int = flag(1, "Tensor-parallel ranks per replica.", "parallelism", min=1)
     pp_size: int = flag(1, "Pipeline stages per replica.", "parallelism", min=1)
     pp_micro_batches: int | None = flag(
@@ -235,10 +252,15 @@ class ServerArgs:
         if (self.speculative_ngram_min_match_window_size
                 > self.speculative_ngram_max_match_window_size):
             problems.append("--speculative-ngram-min-match-window-size must be <= the max one")
+        problems += lora_arg_problems(self.lora_paths, self.lora_target_modules)
         if not 0 < self.mem_fraction_static < 1:
             problems.append("--mem-fraction-static must be in (0, 1)")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
 
     @property
     def micro_batches(self) -> int:

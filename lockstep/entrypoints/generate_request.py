@@ -148,6 +148,8 @@ class GenerateReqInput(SchedulingFields):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     session_params: SessionParamsInput | None = None
+    lora_path: shaped({"str": NonEmptyStr, "list": list[NonEmptyStr | None]},
+                      "an adapter's name or a list of them") | None = None
 
     @property
     def is_batch(self) -> bool:
@@ -164,7 +166,7 @@ class GenerateReqInput(SchedulingFields):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         size = self.batch_size
-        for name in ("sampling_params", "rid", "return_logprob"):
+        for name in ("sampling_params", "rid", "return_logprob", "lora_path"):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.is_batch or len(value) != size):
                 prompts = f"{size} prompts" if self.is_batch else "a single prompt"
@@ -187,7 +189,7 @@ class GenerateReqInput(SchedulingFields):
             ids = self.input_ids if self.is_batch else [self.input_ids]
             prompts = [(None, p) for p in ids]  # type: ignore[union-attr]
         size = len(prompts)
-        return fan_out(
+        singles = fan_out(
             prompts, _per_prompt(self.sampling_params, size), limit=limit,
             rids=_per_prompt(self.rid, size) if self.rid is not None else None,
             return_logprob=_per_prompt(self.return_logprob, size), stream=self.stream,
@@ -195,6 +197,7 @@ class GenerateReqInput(SchedulingFields):
             return_text_in_logprobs=self.return_text_in_logprobs, **self.scheduling(),
             session_params=(SessionParams(**self.session_params.model_dump())
                             if self.session_params is not None else None))
+        return with_lora(singles, _per_prompt(self.lora_path, size))
 
 
 Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): one of them
@@ -220,6 +223,14 @@ def fan_out(prompts: list[Prompt], params: list[SamplingParams], *, limit: int |
     if len({r.rid for r in out}) != len(out):
         raise RequestError("rid: the fanned-out rids collide; choose distinct rids")
     return out
+
+
+def with_lora(singles: list[TokenizedGenerateReq], adapters: list[str | None]
+              ) -> list[TokenizedGenerateReq]:
+    """Each single request with its prompt's LoRA adapter (None: the base model)."""
+    for r in singles:
+        r.lora_path = adapters[r.prompt_index]
+    return singles
 
 
 def _per_prompt(value: Any, size: int) -> list[Any]:

@@ -17,6 +17,7 @@ from lockstep.entrypoints import (
     admin_routes,
     chat_page,
     embedding_routes,
+    lora_routes,
     native_routes,
     openai_routes,
     responses_routes,
@@ -41,6 +42,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     session_routes.router,  # /open_session, /close_session
     admin_routes.router,  # /admin/replicas: replicas added and removed while serving
     embedding_routes.router,  # /v1/embeddings, /encode, /v1/rerank, /rerank, /v2/rerank, /v1/score
+    lora_routes.router,  # /load_lora_adapter, /v1/unload_lora_adapter ...
     chat_page.router,  # GET /: the chat page
 )
 

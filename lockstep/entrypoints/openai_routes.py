@@ -30,7 +30,8 @@ async def list_models(state: State) -> Response:
 @router.get("/v1/models/{model:path}", responses=returns(ModelCard))
 async def get_model(model: str, state: State) -> Response:
     state.openai.check_model(model)
-    return json_response(state.openai.models()["data"][0])
+    cards = state.openai.models()["data"]
+    return json_response(next((c for c in cards if c["id"] == model), cards[0]))
 
 
 @router.post("/v1/completions", responses=returns(CompletionResponse, stream=True))

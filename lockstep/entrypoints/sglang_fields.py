@@ -55,7 +55,7 @@ SAMPLING_PARAMS: Table = {
 GENERATE: Table = {
     **_served("rid text input_ids sampling_params return_logprob logprob_start_len "
               "top_logprobs_num return_text_in_logprobs stream priority routed_dp_rank "
-              "data_parallel_rank session_params"),
+              "data_parallel_rank session_params lora_path"),
     **_off("/generate serves the one model; name none", "model"),  # sglang-router sends null
     **_off(_MM, "input_embeds image_data video_data audio_data mm_hashes mm_content_hashes "
            "video_config modalities positional_embed_overrides need_wait_for_mm_inputs "
@@ -75,7 +75,7 @@ GENERATE: Table = {
     **_off(_EXPERTS, "return_routed_experts", False),
     **_off(_EXPERTS, "routed_experts_start_len", 0),
     **_off("no sparse-attention indexer", "return_indexer_topk", False),
-    **_off("no LoRA adapters", "lora_path lora_id"),
+    **_off("adapters are named by lora_path", "lora_id"),
     **_off("no custom logit processors", "custom_logit_processor"),
     **_off(_PD, "bootstrap_host bootstrap_port bootstrap_room bootstrap_pair_key decode_tp_size "
            "disagg_prefill_dp_rank"),
@@ -97,7 +97,8 @@ _OPENAI: Table = {
     **_served("model frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed "
               "stop stream stream_options temperature top_p user top_k min_p min_tokens regex "
               "ebnf repetition_penalty stop_token_ids stop_regex no_stop_trim ignore_eos "
-              "skip_special_tokens response_format priority routed_dp_rank data_parallel_rank"),
+              "skip_special_tokens response_format priority routed_dp_rank data_parallel_rank "
+              "lora_path"),
     **_off(_PD, "bootstrap_host bootstrap_port bootstrap_room disagg_prefill_dp_rank"),
     **_off(_ROUTING, "rid extra_key cache_salt"),
     **_off("no hidden states", "return_hidden_states", False),
@@ -106,7 +107,6 @@ _OPENAI: Table = {
     **_off("no cache or speculation breakdowns beyond usage.prompt_tokens_details",
            "return_cached_tokens_details return_spec_tokens_details", False),
     **_off(_IDS, "return_token_ids", False),
-    **_off("no LoRA adapters", "lora_path"),
     **_off("sessions are served on /generate", "session_id session_params"),
     **_off("no custom logit processors", "custom_params custom_logit_processor"),
     **_off("no watermarking", "watermark"),

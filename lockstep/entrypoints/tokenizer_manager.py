@@ -19,13 +19,17 @@ import zmq.asyncio
 
 from lockstep.core import FINISH_ABORT, BaseFinishReason, TokenLogprob
 from lockstep.entrypoints.session_controller import SessionController, SessionError
+from lockstep.lora.adapter import parse_lora_paths
 from lockstep.messages import (
     AbortReq,
     BatchStrOut,
     FlushCacheOut,
     FlushCacheReq,
+    LoadLoraAdapterReq,
+    LoraUpdateOut,
     ReqOutput,
     TokenizedGenerateReq,
+    UnloadLoraAdapterReq,
     decode,
     encode,
     zmq_socket,
@@ -139,6 +143,8 @@ class TokenizerManager:
         # Called with (state, output, now) on every output, before the state takes it in.
         self.observers: list[Callable[[ReqState, ReqOutput, float], None]] = []
         self._loop_task: asyncio.Task | None = None
+        # the LoRA adapters loaded {name: path}, as the schedulers' last reply said
+        self.lora_adapters: dict[str, str] = parse_lora_paths(args.lora_paths)
         # What the model serves (model_loader.pooling.model_kind): "generate", "embed" or "score";
         # set at launch. A request of another kind is a 400 (check_kind).
         self.kind = "generate"
@@ -230,6 +236,12 @@ class TokenizerManager:
             live = [i for i, s in enumerate(self.replicas) if s == "active"]
             raise RequestError(f"routed_dp_rank: {dp} names no replica taking requests; "
                                f"this server's are {live}")
+        if req.lora_path is not None and req.lora_path not in self.lora_adapters:
+            if not self.args.lora_enabled:
+                raise RequestError(f"lora_path {req.lora_path!r}: this server serves no LoRA "
+                                   "adapters (start it with --enable-lora or --lora-paths)")
+            raise RequestError(f"LoRA adapter {req.lora_path!r} is not loaded (loaded: "
+                               f"{', '.join(sorted(self.lora_adapters)) or 'none'})", 404)
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in use")
@@ -324,6 +336,18 @@ class TokenizerManager:
         replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=60)
         return next((r for r in replies if not r.success), replies[0])
 
+    async def update_lora(self, msg: LoadLoraAdapterReq | UnloadLoraAdapterReq) -> LoraUpdateOut:
+        """Load or unload an adapter on every replica (each rank of each does it as an input of
+        its step): the first refusal, else the success."""
+        self.start()
+        futs = [asyncio.get_running_loop().create_future() for _ in range(self.args.dp_size)]
+        self.control_waiters.extend(futs)
+        await self.to_scheduler.send(encode(msg))
+        replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=300)
+        out = next((r for r in replies if not r.success), replies[0])
+        self.lora_adapters = dict(out.adapters)
+        return out
+
     async def _handle_loop(self) -> None:
         while True:
             try:
@@ -334,7 +358,7 @@ class TokenizerManager:
                 for out in msg.outputs:
                     if (state := self.states.get(out.rid)) is not None:
                         state.queue.put_nowait(out)
-            elif isinstance(msg, FlushCacheOut):
+            elif isinstance(msg, (FlushCacheOut, LoraUpdateOut)):
                 if self.control_waiters:
                     self.control_waiters.pop(0).set_result(msg)
             else:

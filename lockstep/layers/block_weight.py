@@ -19,7 +19,7 @@ from lockstep.kernels import BlockType
 
 class Kind(StrEnum):
     """How a part of a linear is multiplied (weight_plan.choose picks one per part at load).
-    A "base + LoRA" kind is one more member here, and one more case where matmuls switch on it."""
+    LoRA adapters are not a kind: their products run beside a part of any kind (lockstep.lora)."""
 
     EXACT = "exact"  # float32 rows x blocks, kernels.linear: each output summed in a fixed order
     INT8 = "int8"  # rows quantized per block of 32 to int8, kernels.linear_int8 (llama.cpp's arithmetic)

@@ -44,6 +44,8 @@ class _BlockParts(nn.Module):
 
     weight: nn.Parameter | None
     part_keys: tuple[Hashable, ...] = (0,)  # checkpoint tensors in output-row order
+    # LoRA adapters' low-rank products, added to the base output (lockstep.lora.layers.LoraLinear)
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def _init_parts(self) -> None:
         assert self.weight is not None
@@ -83,9 +85,11 @@ class _BlockParts(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.parts is None:
-            return F.linear(x, self.weight, bias)
-        y = matmul_parts(x, self.parts)
-        return y if bias is None else y.add_(bias)  # y is fresh: no second [T, N] tensor
+            y = F.linear(x, self.weight, bias)
+        else:
+            y = matmul_parts(x, self.parts)
+            y = y if bias is None else y.add_(bias)  # y is fresh: no second [T, N] tensor
+        return y if self.lora is None else self.lora(x, y)
 
 
 class ColumnParallelLinear(_BlockParts):

@@ -7,8 +7,9 @@ the kernels this process compiled. The layers ask a `WeightPlan` to settle their
 /get_server_info print one summary of what was decided. After load nothing decides again: matmuls
 switch on the parts' `Kind` (block_weight.py), and the one-call decoder layer reads the same kinds.
 
-A new block type is an entry in kernels/blocks.py's table (and its decoders); a new kind (base +
-LoRA) is a `Kind` member, a case in `choose` and one where matmuls switch on it."""
+A new block type is an entry in kernels/blocks.py's table (and its decoders); a new kind is a `Kind`
+member, a case in `choose` and one where matmuls switch on it. LoRA adapters run beside the parts
+of any kind, after the base matmul (lockstep.lora.layers), so they are no kind of their own."""
 
 from __future__ import annotations
 

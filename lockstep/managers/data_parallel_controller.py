@@ -20,9 +20,11 @@ import zmq
 from lockstep.messages import (
     AbortReq,
     FlushCacheReq,
+    LoadLoraAdapterReq,
     LoadReport,
     ReplicaChange,
     TokenizedGenerateReq,
+    UnloadLoraAdapterReq,
     decode,
     encode,
     recv_all,
@@ -196,7 +198,7 @@ def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket | None],
     elif isinstance(msg, AbortReq) and msg.rid in owner:
         if (sock := outs[owner[msg.rid]]) is not None:
             sock.send(encode(msg))
-    elif isinstance(msg, (AbortReq, FlushCacheReq)):
+    elif isinstance(msg, (AbortReq, FlushCacheReq, LoadLoraAdapterReq, UnloadLoraAdapterReq)):
         for s in outs:
             if s is not None:
                 s.send(encode(msg))

@@ -26,6 +26,7 @@ from lockstep.constrained.backend import GrammarMatcher
 from lockstep.core import BaseFinishReason, TokenLogprob
 from lockstep.forward_batch import ForwardBatch, ForwardMode
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
+from lockstep.lora.adapter import LoraAdapter
 from lockstep.managers.stop_checker import StopChecker
 from lockstep.sampling_params import SamplingParams
 
@@ -117,6 +118,7 @@ class Req:
     spec: SpecState = field(default_factory=SpecState)
     logprobs: LogprobState = field(default_factory=LogprobState)
     embedding: list[float] | None = None  # an embedding model's pooled vector, once computed
+    lora: LoraAdapter | None = None  # its LoRA adapter (lockstep.lora), None: the base model
 
     def limits_error(self, context_len: int, max_req_len: int, vocab_size: int) -> str | None:
         """Why the request can never run here (a 400), or None. `max_req_len` is the smaller of
@@ -140,6 +142,16 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def prefix_key(self) -> list[int]:
+        """fill_ids as the prefix cache keys them: an adapter's requests in a namespace of their
+        own (the load's uid above the 32 bits of a token id), so KV computed under one adapter
+        is shared by its requests and never by another adapter's or the base's."""
+        if self.lora is None:
+            return self.fill_ids
+        ns = self.lora.uid << 32
+        return [ns | t for t in self.fill_ids]
 
     @property
     def seq_len(self) -> int:

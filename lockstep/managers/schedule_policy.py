@@ -19,7 +19,7 @@ def order_waiting(policy: str, waiting: list[Req], tree, rng: random.Random) -> 
         rng.shuffle(order)
         return order
     if policy == "lpm":
-        lens = {r.rid: int(tree.match_prefix(r.fill_ids)[0].numel()) for r in waiting}
+        lens = {r.rid: int(tree.match_prefix(r.prefix_key)[0].numel()) for r in waiting}
         return sorted(waiting, key=lambda r: (-lens[r.rid], r.arrival))
     if policy == "dfs-weight":
         return _dfs_weight(waiting, tree)
@@ -32,7 +32,7 @@ def _dfs_weight(waiting: list[Req], tree) -> list[Req]:
     by_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
     for req in sorted(waiting, key=lambda r: r.arrival):
-        node = tree.match_prefix(req.fill_ids)[1]
+        node = tree.match_prefix(req.prefix_key)[1]
         by_node[node.node_id].append(req)
         while node is not None:
             weight[node.node_id] += 1

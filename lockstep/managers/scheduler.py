@@ -29,6 +29,8 @@ import torch
 from lockstep.constrained.backend import NO_GRAMMAR_BACKEND, GrammarBackend, grammar_backend_for
 from lockstep.core import FINISH_ABORT, BaseFinishReason
 from lockstep.forward_batch import ForwardMode
+from lockstep.lora.adapter import AdapterError
+from lockstep.lora.manager import create_lora_manager, lora_of
 from lockstep.managers.grammar_queue import GrammarQueue
 from lockstep.managers.priority import PriorityRule
 from lockstep.managers.schedule_batch import KVState, LogprobState, Req, ReqPhase, ScheduleBatch
@@ -44,8 +46,11 @@ from lockstep.messages import (
     FlushCacheOut,
     FlushCacheReq,
     GrammarsReady,
+    LoadLoraAdapterReq,
+    LoraUpdateOut,
     ReqOutput,
     TokenizedGenerateReq,
+    UnloadLoraAdapterReq,
 )
 from lockstep.server_args import ServerArgs
 
@@ -97,6 +102,7 @@ class Scheduler:
         self.before_run: Callable[[int, str], None] | None = None
         self.dp_rank = dp_rank  # which data-parallel replica this scheduler serves
         self.speculator = Speculator(args) if args.speculation else None
+        self.lora = create_lora_manager(args, runner) if args.lora_enabled else None
         self.outputs = OutputProcessor(self, self.stats, frozenset(eos_token_ids), self.max_req_len,
                                        self.speculator, dp_rank)
         self.overlap = args.overlap_schedule
@@ -113,6 +119,10 @@ class Scheduler:
                 self.abort(msg.rid, msg.reason)
             elif isinstance(msg, FlushCacheReq):
                 self.control_replies.append(self.flush_cache())
+            elif isinstance(msg, (LoadLoraAdapterReq, UnloadLoraAdapterReq)):
+                self.control_replies.append(
+                    self.lora.update(msg, self._lora_in_use(), self.loop.resolve) if self.lora
+                    else LoraUpdateOut(False, "LoRA adapters are off: start with --enable-lora", 400))
             else:
                 logger.error("scheduler ignored unknown message %r", type(msg).__name__)
 
@@ -128,9 +138,15 @@ class Scheduler:
             req.sampling.stops, error = stop_checker(self.tokenizer, p)
         if error is None and p.constraint is not None and self.grammar is None:
             error = NO_GRAMMAR_BACKEND
+        status = 400
+        if error is None and msg.lora_path is not None:
+            try:
+                req.lora = lora_of(self.lora, msg.lora_path)
+            except AdapterError as e:
+                error, status = str(e), e.status
         self.stats.prompt_tokens += len(req.origin_input_ids)
         if error:
-            self.finish(req, FINISH_ABORT(error, status_code=400))
+            self.finish(req, FINISH_ABORT(error, status_code=status))
         elif p.constraint is not None:  # admitted once its grammar compiled (a 400 if it fails)
             self.grammar_queue.add(req, self.grammar.compile(p.constraint))
         else:
@@ -141,6 +157,11 @@ class Scheduler:
         grammars have compiled (GrammarsReady). The caller broadcasts the result to every rank."""
         ready = self.grammar_queue.ready(wait=not received and self._no_batch_work())
         return [*received, GrammarsReady(ready)] if ready else received
+
+    def _lora_in_use(self, admitted: Iterable[Req] = ()) -> list[Any]:
+        """The adapters of the requests that hold KV (their slots stay as they are)."""
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return [r.lora for r in (*self.running, *chunked, *admitted) if r.lora is not None]
 
     def _no_batch_work(self) -> bool:
         """Nothing to batch or await: only the grammar queue may hold requests."""
@@ -225,6 +246,8 @@ class Scheduler:
             batch.extend_lens = [r.kv.extend_len for r in batch.reqs]
             batch.worker_batch = batch.to_worker_batch(self.vocab_size, self.args.random_seed,
                                                        self.device, self._fill_masks)
+            if self.lora is not None:
+                batch.worker_batch.forward_batch.lora_slots = [self.lora.slot_of(r.lora) for r in batch.reqs]
             if self.args.debug_fingerprints or self.args.enable_lockstep_check:
                 self.fingerprints.append(batch.fingerprint())
         if self.before_run is not None:
@@ -274,8 +297,11 @@ class Scheduler:
         for req in self.priorities.order(order):
             if budget <= 0:
                 break
+            if req.lora is not None and not self.lora.make_resident(  # else it waits for a slot
+                    req.lora, self._lora_in_use(admitted), self.step_count, self.loop.resolve):
+                continue
             for attempt in range(2):  # matched again after preempting: the tree changed
-                fill = req.fill_ids
+                fill = req.prefix_key
                 indices, node = self.tree.match_prefix(fill)
                 limit = len(fill) - 1
                 if req.prompt_logprob_start is not None:
@@ -326,7 +352,7 @@ class Scheduler:
         if isinstance(self.tree, ChunkCache) or len(fill) - prefix <= IN_BATCH_PREFIX_THRESHOLD:
             return False
         new = fill[prefix:prefix + IN_BATCH_PREFIX_THRESHOLD]  # shared whole by another: wait
-        return any(other.fill_ids[prefix:prefix + IN_BATCH_PREFIX_THRESHOLD] == new
+        return any(other.prefix_key[prefix:prefix + IN_BATCH_PREFIX_THRESHOLD] == new
                    for other in admitted)
 
     def _decode_batch(self) -> ScheduleBatch | None:
@@ -334,6 +360,8 @@ class Scheduler:
             self.loop.resolve()
         if not self.running:
             return None
+        if self.lora is not None:
+            self.running = self.lora.grouped(self.running)
         loc = None
         if self.speculator is not None:
             loc = self.speculator.draft(self.running, self.max_req_len, self._alloc)
@@ -387,7 +415,7 @@ class Scheduler:
         """Insert the request's computed tokens; the tree keeps those it did not hold, and the
         request's copies of the others are freed. Returns the tokens."""
         kv = req.kv
-        tokens = req.fill_ids[: kv.cached_len]
+        tokens = req.prefix_key[: kv.cached_len]
         indices = self.req_to_token_pool.req_to_token[kv.req_pool_idx, : kv.cached_len].clone()
         present = self.tree.insert(tokens, indices)
         self.allocator.free(indices[kv.prefix_len:present])

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE, ParallelGroup, PipelineGroup
 from lockstep.forward_batch import ForwardBatch
+from lockstep.lora.layers import LoraLayers
 from lockstep.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from lockstep.model_executor.weight_setup import load_model_weights
 from lockstep.model_loader.source import ModelSource
@@ -107,6 +108,7 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, cfg.device)
         self.windows = set(model_cfg.layer_windows)
         self.pp_stats = PipelineStats()
+        self.lora: LoraLayers | None = None  # with --enable-lora (lockstep.lora.manager sets it)
 
     def _kv_budget(self) -> int:
         if self.cfg.max_total_tokens:
@@ -137,6 +139,8 @@ class ModelRunner:
         outs: list[torch.Tensor] = []
         for i, fb in enumerate(parts):
             fb.build_attention(self.req_to_token_pool.req_to_token, self.windows)
+            if self.lora is not None:
+                self.lora.prepare(fb)
             hidden_in = None
             if recvs:
                 hidden_in, work = recvs[i]

@@ -59,7 +59,8 @@ def plan(layer: nn.Module) -> Plan | None:
     mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if (not kernels.compiled("decoder_layer") or mlp.down_proj.tp.size != 1 or attn.head_dim % 16
             or mlp.act not in COMPILED_ACT or layer.input_layernorm.scale.dtype != torch.float32
-            or layer.input_layernorm.scale.device.type != "cpu"):
+            or layer.input_layernorm.scale.device.type != "cpu"
+            or any(m.lora is not None for m in mods)):  # LoRA's products run beside the modules
         return None
     linears = [_linear(m) for m in mods]
     if any(x is None for x in linears):

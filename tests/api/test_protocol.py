@@ -638,8 +638,10 @@ def test_sglang_router_bodies_are_accepted():
     (GenerateReqInput, {"text": "a", "return_flat_raw_top_logprobs_b64": True},
      "return_flat_raw_top_logprobs_b64: true is not supported by this server (no flat raw "
      "logprobs); omit it or send false"),
-    (GenerateReqInput, {"text": "a", "lora_path": "x"}, 'lora_path: "x" is not supported by this '
-     "server (no LoRA adapters); omit it"),
+    (GenerateReqInput, {"text": "a", "lora_id": "x"}, 'lora_id: "x" is not supported by this '
+     "server (adapters are named by lora_path); omit it"),
+    (GenerateReqInput, {"text": ["a", "b"], "lora_path": ["x"]},
+     "lora_path: a list must have one entry per prompt; got 1 for 2 prompts"),
     (ChatCompletionRequest, {**CHAT, "continue_final_message": True},
      "continue_final_message: true is not supported"),
     (CompletionRequest, {**COMPLETION, "return_hidden_states": "last"},

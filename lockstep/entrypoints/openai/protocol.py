@@ -99,7 +99,8 @@ ResponseFormat = Annotated[
 
 
 class _OpenAIRequest(SchedulingFields):
-    model: str | None = None
+    model: str | None = None  # also a LoRA adapter: "base:adapter" or the adapter's name
+    lora_path: str | None = None  # SGLang's other way to name the adapter
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     n: SampleCount = 1
@@ -443,6 +444,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "lockstep"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from lockstep.core import TokenLogprob
 from lockstep.entrypoints.fanout import Fanout, run_to_completion, start_stream
-from lockstep.entrypoints.generate_request import fan_out
+from lockstep.entrypoints.generate_request import fan_out, with_lora
 from lockstep.entrypoints.openai.chat_templates import (
     ChatTemplateError,
     render_chat,
@@ -149,15 +149,27 @@ class OpenAIServing:
                                  or default_parser_name(model_type, architectures))
         self.reasoning = reasoning_format(args.reasoning_parser) if args.reasoning_parser else None
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.accepted_names:
-            raise RequestError(
-                f"The model `{name}` does not exist; this server serves `{self.model_name}`", 404)
+    def check_model(self, name: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request's `model` names (SGLang's "base:adapter", vLLM's adapter
+        name) or its lora_path does; None: the base model. A 404 for any other name."""
+        base, _, adapter = (name or "").partition(":")
+        if name is None or name in self.accepted_names:
+            return lora_path
+        if adapter and base in self.accepted_names or name in self.tm.lora_adapters:
+            if lora_path is not None and lora_path != (adapter or name):
+                raise RequestError(f"model {name!r} and lora_path {lora_path!r} name different adapters")
+            return adapter or name
+        raise RequestError(
+            f"The model `{name}` does not exist; this server serves `{self.model_name}`"
+            + (f" and the LoRA adapters {', '.join(sorted(self.tm.lora_adapters))}"
+               if self.tm.lora_adapters else ""), 404)
 
     def models(self) -> dict[str, Any]:
         card = ModelCard(id=self.model_name, root=self.args.model_path or self.model_name,
                          max_model_len=self.tm.context_len)
-        return ModelList(data=[card]).model_dump()
+        adapters = [ModelCard(id=name, root=path, parent=self.model_name, max_model_len=self.tm.context_len)
+                    for name, path in sorted(self.tm.lora_adapters.items())]
+        return ModelList(data=[card, *adapters]).model_dump()
 
     def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
         try:
@@ -202,7 +214,7 @@ class OpenAIServing:
         return [ReasoningParser(fmt, inside, req.stream_reasoning) for _ in range(n)]
 
     async def completions(self, req: CompletionRequest, request: Request | None) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model, req.lora_path)
         prompts = req.prompts()
         singles = fan_out(
             prompts, [req.to_sampling_params()] * len(prompts), limit=self.args.max_batch_size,
@@ -210,6 +222,7 @@ class OpenAIServing:
             logprob_start_len=0 if (req.logprobs is not None and req.echo) else -1,
             top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True,
             **req.scheduling())
+        with_lora(singles, [lora] * len(prompts))
         echoed = ([t if t is not None else self.tm.tokenizer.decode(ids) for t, ids in prompts]
                   if req.echo else None)
         cursors = [_LogprobCursor() for _ in singles]
@@ -247,7 +260,7 @@ class OpenAIServing:
     async def prepare_chat(self, req: ChatCompletionRequest) -> ChatRun:
         """A chat completion ready to run: the one path every chat-shaped API (this route,
         /v1/responses) takes from messages to choices."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model, req.lora_path)
         plan = self.tool_plan(req)
         ids, prompt = await self.render_chat_prompt(req, plan)
         forced = plan.json_schema() if plan is not None else None  # "required" or named
@@ -257,6 +270,7 @@ class OpenAIServing:
             stream=req.stream, return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True,
             **req.scheduling())
+        with_lora(singles, [lora])
         thinking = self.reasoning_parsers(req, prompt, params.json_schema is not None,
                                           len(singles))
 
