@@ -13,6 +13,7 @@ from typing import Any
 import zmq
 
 from lockstep.core import FINISH_ABORT, BaseFinishReason, TokenLogprob
+from lockstep.multimodal.refs import ImageRef
 from lockstep.sampling_params import SamplingParams
 
 
@@ -34,6 +35,10 @@ class TokenizedGenerateReq:
     return_text_in_logprobs: bool = False
     prompt_index: int = 0
     sample_index: int = 0
+    # The client's images (data URLs, base64): the front's only. The tokenizer manager turns them
+    # into `images` (content hash + shared-memory handle) before the request leaves it.
+    image_data: list[str] | None = None
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass

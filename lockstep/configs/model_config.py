@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lockstep.configs.vision_config import VisionConfig
+
 ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                       "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
@@ -43,13 +45,20 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     eos_token_ids: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # a model that reads images (lockstep.multimodal)
 
     @property
     def is_gemma(self) -> bool:
         return self.arch == "gemma3"
 
+    @property
+    def model_key(self) -> str:
+        """The model table's key (lockstep.models.registry): the arch, "+vision" with images."""
+        return self.arch + ("+vision" if self.vision else "")
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        vision = VisionConfig.from_hf(cfg)
         cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg
         model_type = cfg.get("model_type", "")
         if model_type not in ARCH_BY_MODEL_TYPE:
@@ -77,7 +86,8 @@ class ModelConfig:
             layer_windows=_layer_windows(cfg, arch, n_layers),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping"), eos_token_ids=eos_ids)
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"), eos_token_ids=eos_ids,
+            vision=vision)
 
 
 def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:

@@ -27,6 +27,8 @@ from lockstep.core import BaseFinishReason, TokenLogprob
 from lockstep.forward_batch import ForwardBatch, ForwardMode
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
 from lockstep.managers.stop_checker import StopChecker
+from lockstep.multimodal.refs import ImageRef, is_pad_id
+from lockstep.multimodal.spans import ImageRows, rows_in_pass
 from lockstep.sampling_params import SamplingParams
 
 
@@ -115,13 +117,15 @@ class Req:
     sampling: SamplingState = field(default_factory=SamplingState)
     spec: SpecState = field(default_factory=SpecState)
     logprobs: LogprobState = field(default_factory=LogprobState)
+    images: list[ImageRef] = field(default_factory=list)  # its tokens carry hash-derived ids
 
     def limits_error(self, context_len: int, max_req_len: int, vocab_size: int) -> str | None:
         """Why the request can never run here (a 400), or None. `max_req_len` is the smaller of
         the context length and the KV pool."""
         n_prompt, max_new = len(self.origin_input_ids), self.sampling_params.max_new_tokens
         room = context_len - n_prompt
-        bad = [t for t in self.origin_input_ids if t < 0 or t >= vocab_size]
+        bad = [t for t in self.origin_input_ids
+               if (t < 0 or t >= vocab_size) and not (self.images and is_pad_id(t))]
         if n_prompt == 0:
             return "the prompt is empty"
         if max_new > room or room <= 0:
@@ -208,6 +212,8 @@ class ScheduleBatch:
         sample_rows: list[int] = []
         prompt_rows: list[tuple[int, int] | None] = []
         prompt_targets: list[int] = []
+        image_rows: list[ImageRows] = []
+        image_floors: list[tuple[int, int, int]] = []
         for req, samples in zip(self.reqs, self.samples):
             fill = req.fill_ids
             if req.kv.future_token is not None:  # sampled by the batch in flight: resolved on the thread
@@ -216,6 +222,10 @@ class ScheduleBatch:
             kv, start = req.kv, len(ids)
             ids.extend(fill[kv.cached_len:kv.device_len])
             positions.extend(range(kv.cached_len, kv.device_len))
+            if req.images:
+                rows, floors = rows_in_pass(req.images, kv.cached_len, kv.device_len, start)
+                image_rows.extend(rows)
+                image_floors.extend(floors)
             # The prompt rows [lo, hi) this step computes, of those whose logprob was asked for.
             pstart = req.prompt_logprob_start
             lo = max(pstart or 0, kv.cached_len)
@@ -234,7 +244,8 @@ class ScheduleBatch:
             out_cache_loc=self.out_cache_loc,
             req_pool_indices=t([r.kv.req_pool_idx for r in self.reqs]),
             prefix_lens=t([r.kv.cached_len for r in self.reqs]),
-            extend_lens=t([r.kv.extend_len for r in self.reqs]), logits_indices=t(logits_idx))
+            extend_lens=t([r.kv.extend_len for r in self.reqs]), logits_indices=t(logits_idx),
+            images=image_rows, image_key_floors=image_floors)
         rows = [(r, i) for r, s in zip(self.reqs, self.samples) for i in range(s)]
         sampling = build_sampling_info([r for r, _ in rows], vocab_size, base_seed, device,
                                        fill_masks, [i for _, i in rows])

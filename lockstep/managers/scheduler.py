@@ -46,6 +46,7 @@ from lockstep.messages import (
     ReqOutput,
     TokenizedGenerateReq,
 )
+from lockstep.multimodal.spans import chunk_take
 from lockstep.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class Scheduler:
         """Every check of a request, once: a 400 is its first output, which the front awaits."""
         req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, arrival=self.step_count,
                   logprobs=LogprobState(msg.return_logprob, msg.logprob_start_len,
-                                        msg.top_logprobs_num))
+                                        msg.top_logprobs_num), images=list(msg.images))
         p = req.sampling_params
         error = req.limits_error(self.context_len, self.max_req_len, self.vocab_size)
         if error is None:
@@ -242,7 +243,8 @@ class Scheduler:
         locs: list[torch.Tensor] = []
         if self.chunked_req is not None:
             req = self.chunked_req
-            take = min(req.seq_len - req.kv.cached_len, budget)
+            take = chunk_take(req.images, req.kv.cached_len, min(req.seq_len - req.kv.cached_len, budget),
+                              req.seq_len - req.kv.cached_len)
             loc = self._alloc_retracting(lambda: take)
             if loc is None:  # admission reserved the prompt; only decodes compete for it
                 raise RuntimeError("KV for an admitted chunked prefill was not available")
@@ -281,7 +283,7 @@ class Scheduler:
             if reserved + need > available:
                 break
             self.tree.inc_lock_ref(node)
-            take = min(extend, budget)
+            take = chunk_take(req.images, prefix, min(extend, budget), extend)
             loc = self._alloc(take)
             if loc is None:
                 self.tree.dec_lock_ref(node)
