@@ -54,6 +54,8 @@ from lockstep.managers.data_parallel_controller import run_data_parallel_control
 from lockstep.managers.scheduler_process import run_scheduler_process
 from lockstep.messages import ReqOutput, TokenizedGenerateReq
 from lockstep.model_loader import resolve_model
+from lockstep.multimodal.images import ImageLimits
+from lockstep.multimodal.processing import image_inputs_for
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import kill_tree
 
@@ -171,6 +173,10 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
             architectures=source.hf_config.get("architectures"))
         launched.tokenizer_manager = TokenizerManager(
             args, ports, tokenizer, info["context_len"], info["max_total_num_tokens"], vocab)
+        launched.tokenizer_manager.image_inputs = image_inputs_for(
+            source.model_dir, source.hf_config, tokenizer,
+            ImageLimits(args.max_image_bytes, max_images=args.max_images_per_request,
+                        allow_urls=args.allow_image_urls))
     return launched
 
 

@@ -54,9 +54,9 @@ SAMPLING_PARAMS: Table = {
 
 GENERATE: Table = {
     **_served("rid text input_ids sampling_params return_logprob logprob_start_len "
-              "top_logprobs_num return_text_in_logprobs stream"),
+              "top_logprobs_num return_text_in_logprobs stream image_data"),
     **_off("/generate serves the one model; name none", "model"),  # sglang-router sends null
-    **_off(_MM, "input_embeds image_data video_data audio_data mm_hashes mm_content_hashes "
+    **_off(_MM, "input_embeds video_data audio_data mm_hashes mm_content_hashes "
            "video_config modalities positional_embed_overrides need_wait_for_mm_inputs "
            "num_items_assigned encoder_urls max_dynamic_patch min_dynamic_patch "
            "image_max_dynamic_patch video_max_dynamic_patch images_config mm_processor_kwargs "

@@ -72,8 +72,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return feats
 
     def embed_inputs(self, fb: ForwardBatch) -> torch.Tensor:
-        if not fb.images:
-            return self.embed(fb.input_ids)
         # Image tokens carry ids past the vocabulary (hash-derived, for the prefix tree): their
         # rows are embedded as token 0, then replaced by the image's features.
         ids = fb.input_ids

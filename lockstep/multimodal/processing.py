@@ -107,3 +107,12 @@ class ImageInputs:
             starts.append(i)
             i = j
         return starts
+
+
+def image_inputs_for(model_dir: Path, hf_config: dict[str, Any], tokenizer: Any,
+                     limits: ImageLimits) -> ImageInputs | None:
+    """The front's image handling for a model directory; None for a model that reads no images."""
+    vision = VisionConfig.from_hf(hf_config)
+    if vision is None:
+        return None
+    return ImageInputs(vision, image_processor(model_dir, vision), tokenizer, limits)

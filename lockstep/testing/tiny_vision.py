@@ -100,3 +100,22 @@ def hf_image_inputs(model_dir: Path, prompt: str, images: list[Any]) -> dict[str
     px = Gemma3ImageProcessorPil.from_pretrained(str(model_dir))(images=images, return_tensors="pt",
                                                                  do_pan_and_scan=False)["pixel_values"]
     return {"input_ids": ids, "token_type_ids": (ids == 513).long(), "pixel_values": px}
+
+
+def random_image(seed: int, width: int = 50, height: int = 40) -> Any:
+    """A PIL RGB image of seeded noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(image: Any, fmt: str = "PNG") -> str:
+    """`image` as a data URL, as clients send it."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
