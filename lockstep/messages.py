@@ -93,6 +93,8 @@ class ReqOutput:
     text_delta: str = ""
     # With speculative decoding: (verify passes, draft tokens, accepted draft tokens) so far.
     spec: tuple[int, int, int] | None = None
+    # A model that reads images: its replica's vision tower runs and encoder-cache hits so far.
+    encoder: tuple[int, int] | None = None
 
 
 @dataclass

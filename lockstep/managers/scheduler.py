@@ -98,6 +98,7 @@ class Scheduler:
         self.speculator = Speculator(args) if args.speculation else None
         self.outputs = OutputProcessor(self, self.stats, frozenset(eos_token_ids), self.max_req_len,
                                        self.speculator, dp_rank)
+        self.outputs.encoder_stats = runner.encoder_stats
         self.overlap = args.overlap_schedule
         self.loop = (OverlapLoop(self, args.max_running_requests + 1) if self.overlap
                      else PlainLoop(self))

@@ -169,3 +169,22 @@ def test_text_only_model_refuses_images(llama_server: LiveServer):
         "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_url(random_image(1))}}]}]})
     assert r.status_code == 400 and "takes no images" in r.text
+
+
+def _metric(server: LiveServer, name: str) -> float:
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_encoder_metric_counts_runs_and_hits(server):
+    url = data_url(random_image(21))
+    runs, hits = _metric(server, "lockstep:image_encoder_runs"), _metric(server, "lockstep:image_encoder_hits")
+    outs = []
+    # different text before the same image: no shared prefix covers it, the encoder cache does
+    for text in ("first <start_of_image> tell", "second one <start_of_image> tell"):
+        r = requests.post(server.url + "/generate", timeout=60, json={
+            "text": text, "image_data": url, "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        outs.append(r.json())
+    assert _metric(server, "lockstep:image_encoder_runs") == runs + 1
+    assert _metric(server, "lockstep:image_encoder_hits") == hits + 1
