@@ -34,7 +34,7 @@ def _off(why: str, names: str, *values: Any) -> dict[str, Off]:
     return dict.fromkeys(names.split(), Off(why, values))
 
 
-_MM = "text-only: no multimodal inputs"
+_MM = "no video, audio or embedding inputs (images: image_data)"
 _PD = "no prefill/decode disaggregation"
 _ROUTING = "no per-request routing or cache keys"
 _FLAT = "no flat raw logprobs"
