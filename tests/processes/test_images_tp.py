@@ -1,4 +1,4 @@
-"""Images with tensor parallelism: the vision tower and projector split over 2 ranks (column-
+"""Images with tensor and data parallelism: the vision tower and projector split over 2 ranks (column-
 parallel q/k/v and fc1, row-parallel out/fc2 as in the text model) give TP 1's greedy tokens, with
 every rank's encoder cache hitting alike (the lockstep check compares the ranks' batches)."""
 
@@ -20,10 +20,10 @@ PROMPTS = [("<start_of_image> what is it", [1]), ("a <start_of_image> b <start_o
            ("again <start_of_image>", [1])]
 
 
-def _outputs(tp: int) -> list[list[int]]:
+def _outputs(tp: int, dp: int = 1) -> list[list[int]]:
     launched = launch_subprocesses(ServerArgs(
-        model_path=str(make_tiny_vision_model()), dtype="float32", tp_size=tp, max_total_tokens=4096,
-        enable_lockstep_check=2))
+        model_path=str(make_tiny_vision_model()), dtype="float32", tp_size=tp, dp_size=dp,
+        max_total_tokens=4096, enable_lockstep_check=2))
     tm = launched.tokenizer_manager
 
     async def one(i: int, text: str, seeds: list[int]) -> list[int]:
@@ -43,5 +43,7 @@ def _outputs(tp: int) -> list[list[int]]:
         launched.shutdown()
 
 
-def test_tp2_equals_tp1_with_images():
-    assert _outputs(2) == _outputs(1)
+def test_tp2_and_dp2_equal_tp1_with_images():
+    tp1 = _outputs(1)
+    assert _outputs(2) == tp1
+    assert _outputs(1, dp=2) == tp1  # the DP controller routes image requests to either replica
