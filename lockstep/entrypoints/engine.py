@@ -305,13 +305,13 @@ class Engine:
                  return_logprob: bool | list[bool] | None = None,
                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
                  return_text_in_logprobs: bool | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False) -> Any:
+                 stream: bool = False, image_data: str | list[Any] | None = None) -> Any:
         """One dict per prompt (a list for a list, or n > 1); with stream=True an iterator of
         chunks. Bad input raises ValueError with the same message the server would send."""
         out = self._call(self._request(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, rid=rid))
+            return_text_in_logprobs=return_text_in_logprobs, rid=rid, image_data=image_data))
         return self._sync_stream(out) if stream else out
 
     def _sync_stream(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -328,12 +328,13 @@ class Engine:
                              logprob_start_len: int | None = None,
                              top_logprobs_num: int | None = None,
                              return_text_in_logprobs: bool | None = None,
-                             rid: str | list[str] | None = None, stream: bool = False) -> Any:
+                             rid: str | list[str] | None = None, stream: bool = False,
+                             image_data: str | list[Any] | None = None) -> Any:
         """As `generate`, from any event loop; with stream=True it returns an async iterator."""
         out = await self._await(self._request(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, rid=rid))
+            return_text_in_logprobs=return_text_in_logprobs, rid=rid, image_data=image_data))
         return self._async_stream(out) if stream else out
 
     async def _async_stream(self, agen: AsyncIterator[dict[str, Any]]
