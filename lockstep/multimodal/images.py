@@ -10,6 +10,7 @@ import base64
 import binascii
 import io
 import re
+import time
 import urllib.error
 import urllib.request
 import warnings
@@ -74,14 +75,24 @@ def _b64(text: str, what: str) -> bytes:
 
 
 def _download(url: str, limits: ImageLimits, what: str) -> bytes:
+    """At most max_bytes + 1 bytes, within url_timeout_s in all (a server that drips bytes
+    slowly is cut off too, not only one that stalls)."""
+    deadline = time.monotonic() + limits.url_timeout_s
+    data = bytearray()
     try:
         with urllib.request.urlopen(url, timeout=limits.url_timeout_s) as resp:  # noqa: S310 - http(s) only
-            data = resp.read(limits.max_bytes + 1)
+            while len(data) <= limits.max_bytes:
+                if time.monotonic() > deadline:
+                    raise ImageError(f"{what}: {url!r} took longer than {limits.url_timeout_s:g} s")
+                chunk = resp.read(min(1 << 16, limits.max_bytes + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise ImageError(f"{what}: could not fetch {url!r}: {e}") from None
     if len(data) > limits.max_bytes:
         raise ImageError(f"{what}: larger than {limits.max_bytes} bytes (--max-image-bytes)")
-    return data
+    return bytes(data)
 
 
 def decode(data: bytes, limits: ImageLimits, what: str) -> Image.Image:
