@@ -59,7 +59,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         vision = VisionConfig.from_hf(cfg)
-        cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg
+        if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
+            cfg = _gemma3_text_config(cfg["text_config"])
         model_type = cfg.get("model_type", "")
         if model_type not in ARCH_BY_MODEL_TYPE:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: "
@@ -88,6 +89,15 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"), eos_token_ids=eos_ids,
             vision=vision)
+
+
+def _gemma3_text_config(text: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3's text_config with transformers' defaults filled in: the released
+    checkpoints leave out what equals a default (vocab_size, heads, layer types, RoPE bases), and
+    only the config class knows those (and derives the layer types and RoPE as HF runs them)."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**text).to_dict()
 
 
 def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:
