@@ -33,13 +33,16 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def inputs(model_dir: Path) -> ImageInputs:
+def tok(model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def inputs(model_dir: Path, tok: Any) -> ImageInputs:
+    """The front's image handling, as the server builds it for this directory."""
     cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     assert cfg.vision is not None
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ii = ImageInputs(cfg.vision, image_processor(model_dir, cfg.vision), tok, ImageLimits())
-    ii.tokenizer = tok
-    return ii
+    return ImageInputs(cfg.vision, image_processor(model_dir, cfg.vision), tok, ImageLimits())
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +62,8 @@ def held() -> Any:
         s.unlink()
 
 
-def prepare(inputs: ImageInputs, prompt: str, images: list[Any], held: list[Any]) -> PreparedImages:
-    ids = inputs.tokenizer(inputs.expand_text(prompt)).input_ids
+def prepare(inputs: ImageInputs, tok: Any, prompt: str, images: list[Any], held: list[Any]) -> PreparedImages:
+    ids = tok(inputs.expand_text(prompt)).input_ids
     p = inputs.prepare(ids, [data_url(im) for im in images])
     held.extend(p.segments)
     return p
@@ -87,10 +90,10 @@ CASES = [("<start_of_image> describe the cat", [0]),
 
 
 @pytest.mark.parametrize("prompt,seeds", CASES)
-def test_matches_hf_greedy_and_logprobs(model_dir, inputs, hf_model, held, prompt, seeds):
+def test_matches_hf_greedy_and_logprobs(model_dir, inputs, tok, hf_model, held, prompt, seeds):
     images = [random_image(s) for s in seeds]
     want_ids, want_lps = hf_greedy(hf_model, model_dir, prompt, images)
-    p = prepare(inputs, prompt, images, held)
+    p = prepare(inputs, tok, prompt, images, held)
     # the prompt lockstep builds is HF's processor's, but for the image tokens' hash-derived ids
     hf_ids = hf_image_inputs(model_dir, prompt, images)["input_ids"][0].tolist()
     assert [t if t < 515 else 513 for t in p.input_ids] == hf_ids
@@ -100,12 +103,12 @@ def test_matches_hf_greedy_and_logprobs(model_dir, inputs, hf_model, held, promp
     assert got.logprobs == pytest.approx(want_lps, abs=2e-4)
 
 
-def test_alone_equals_batched_and_chunked(model_dir, inputs, held):
+def test_alone_equals_batched_and_chunked(model_dir, inputs, tok, held):
     prompt, other = CASES[1][0], "a text-only neighbour prompt with more words in it"
-    p = prepare(inputs, prompt, [random_image(1), random_image(2)], held)
-    q = prepare(inputs, CASES[0][0], [random_image(5)], held)
+    p = prepare(inputs, tok, prompt, [random_image(1), random_image(2)], held)
+    q = prepare(inputs, tok, CASES[0][0], [random_image(5)], held)
     alone = run_to_completion(make_scheduler(str(model_dir)), [req("a", p, return_logprob=True)])["a"]
-    tok_ids = inputs.tokenizer(other).input_ids
+    tok_ids = tok(other).input_ids
     batched = run_to_completion(make_scheduler(str(model_dir)), [
         greedy_req("t", tok_ids, NEW), req("q", q), req("a", p, return_logprob=True)])["a"]
     # chunks of 5 tokens: a chunk that would end inside an image takes the image whole
@@ -115,11 +118,11 @@ def test_alone_equals_batched_and_chunked(model_dir, inputs, held):
     assert alone.logprobs == batched.logprobs == chunked.logprobs  # bitwise
 
 
-def test_encoder_cache_and_prefix_sharing_by_hash(model_dir, inputs, held):
+def test_encoder_cache_and_prefix_sharing_by_hash(model_dir, inputs, tok, held):
     prompt = "<start_of_image> describe the cat in a few words"
-    same1 = prepare(inputs, prompt, [random_image(7)], held)
-    same2 = prepare(inputs, prompt, [random_image(7)], held)
-    other = prepare(inputs, prompt, [random_image(8)], held)
+    same1 = prepare(inputs, tok, prompt, [random_image(7)], held)
+    same2 = prepare(inputs, tok, prompt, [random_image(7)], held)
+    other = prepare(inputs, tok, prompt, [random_image(8)], held)
     assert same1.images[0].digest == same2.images[0].digest != other.images[0].digest
     assert same1.input_ids == same2.input_ids != other.input_ids
     sched = make_scheduler(str(model_dir))
