@@ -58,14 +58,17 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return int(self.req_pool_indices.numel())
 
-    def build_attention(self, req_to_token: torch.Tensor, windows: set[int | None]) -> None:
+    def build_attention(self, req_to_token: torch.Tensor, windows: set[int | None],
+                        grid: bool | None = None) -> None:
+        """`grid`: the padded-grid metadata of the GPU path (default: off a CPU); a CPU test builds
+        it too, to check the GPU path's masks against the CPU's rows."""
         b = self.batch_size
         ext, pre = self.extend_lens, self.prefix_lens
         seq = pre + ext
         max_q, max_l = int(ext.max()), int(seq.max())
         device = self.input_ids.device
         kv = req_to_token[self.req_pool_indices, :max_l]
-        if device.type == "cpu":
+        if not (grid if grid is not None else device.type != "cpu"):
             self.attn = _cpu_row_metadata(kv, ext, pre, seq, max_l, self.image_key_floors)
             return
         q_idx = torch.arange(max_q, device=device)
