@@ -27,8 +27,8 @@ from lockstep.core import BaseFinishReason, TokenLogprob
 from lockstep.forward_batch import ForwardBatch, ForwardMode
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
 from lockstep.managers.stop_checker import StopChecker
-from lockstep.multimodal.refs import ImageRef, is_pad_id
-from lockstep.multimodal.spans import ImageRows, rows_in_pass
+from lockstep.multimodal.refs import ImageRef
+from lockstep.multimodal.spans import ImageRows, outside_vocab, rows_in_pass
 from lockstep.sampling_params import SamplingParams
 
 
@@ -124,8 +124,7 @@ class Req:
         the context length and the KV pool."""
         n_prompt, max_new = len(self.origin_input_ids), self.sampling_params.max_new_tokens
         room = context_len - n_prompt
-        bad = [t for t in self.origin_input_ids
-               if (t < 0 or t >= vocab_size) and not (self.images and is_pad_id(t))]
+        bad = outside_vocab(self.origin_input_ids, self.images, vocab_size)
         if n_prompt == 0:
             return "the prompt is empty"
         if max_new > room or room <= 0:
@@ -135,8 +134,8 @@ class Req:
             return (f"max_new_tokens ({max_new}) + prompt ({n_prompt} tokens) exceeds the KV pool "
                     f"of {max_req_len} tokens (--max-total-tokens; the model's context length is "
                     f"{context_len})")
-        if bad:
-            return f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        if bad is not None:
+            return f"input_ids: token id {bad} is outside the vocabulary [0, {vocab_size})"
         return None
 
     @property

@@ -55,8 +55,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         super().__init__(cfg, tp, dtype, pp)
         v = cfg.vision
         assert v is not None  # the registry builds this class only for a config with vision
-        self.vision_tower = SiglipVisionTower(v, tp, dtype)
-        self.multi_modal_projector = Gemma3Projector(v, cfg.hidden_size, tp, dtype)
+        if pp.is_first:  # only the first pipeline stage embeds, so only it holds the tower
+            self.vision_tower = SiglipVisionTower(v, tp, dtype)
+            self.multi_modal_projector = Gemma3Projector(v, cfg.hidden_size, tp, dtype)
         # Every rank of a replica sees the same batches in the same order, so their caches hit and
         # miss alike (a tensor-parallel tower's collectives need every rank to run it).
         self.encoder_cache = EncoderCache()
@@ -97,6 +98,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return loaded | self._load_vision(vision)
 
     def _load_vision(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        if not self.pp.is_first:
+            return set()
         params = {n: p for n, p in self.named_parameters() if n.startswith(VISION_PREFIXES)}
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -16,7 +16,7 @@ import numpy as np
 
 from lockstep.configs.vision_config import VisionConfig
 from lockstep.multimodal.images import ImageError, ImageLimits, load_image
-from lockstep.multimodal.refs import ImageRef, pad_id
+from lockstep.multimodal.refs import ImageRef, is_pad_id, pad_id
 from lockstep.multimodal.shm import write_pixels
 
 
@@ -69,6 +69,8 @@ class ImageInputs:
         if len(sources) > self.limits.max_images:
             raise ImageError(f"image_data: {len(sources)} images, more than {self.limits.max_images} "
                              "per request (--max-images-per-request)")
+        if (bad := next((t for t in input_ids if is_pad_id(t)), None)) is not None:
+            raise ImageError(f"input_ids: token id {bad} is outside the vocabulary")
         runs = self._runs(input_ids)
         if len(runs) != len(sources):
             raise ImageError(f"the prompt has {len(runs)} image places ({self.placeholder!r} in its "

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lockstep.multimodal.refs import ImageRef
+from lockstep.multimodal.refs import ImageRef, pad_id
 
 
 @dataclass(frozen=True)
@@ -45,3 +45,17 @@ def chunk_take(images: Sequence[ImageRef], start: int, take: int, remaining: int
         if im.offset < end < im.end:
             return im.offset - start if im.offset > start else min(im.end - start, remaining)
     return take
+
+
+def outside_vocab(ids: Sequence[int], images: Sequence[ImageRef], vocab_size: int) -> int | None:
+    """The first id outside [0, vocab_size) that is not one of `images`' own tokens in its own
+    span, or None. A prompt can never carry an image's id elsewhere: its KV, computed without the
+    image, would enter the prefix tree under that image's ids."""
+    spans = {i: pad_id(im.digest) for im in images for i in range(im.offset, im.end)}
+    for i, t in enumerate(ids):
+        if (t < 0 or t >= vocab_size) and spans.get(i) != t:
+            return t
+    for i, t in spans.items():
+        if i >= len(ids) or ids[i] != t:
+            return ids[i] if i < len(ids) else -1
+    return None

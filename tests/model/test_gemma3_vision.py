@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lockstep.configs.model_config import ModelConfig
-from lockstep.multimodal.images import ImageLimits
+from lockstep.multimodal.images import ImageError, ImageLimits
 from lockstep.multimodal.processing import ImageInputs, PreparedImages, image_processor
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.tiny_vision import (
@@ -142,3 +142,20 @@ def test_encoder_cache_and_prefix_sharing_by_hash(model_dir, inputs, tok, held):
     sched.tree.reset()  # the prefix gone, the features still cached
     run_to_completion(sched, [req("d", same2)])
     assert (stats.runs, stats.hits) == (2, 1)
+
+
+def test_an_image_id_outside_its_own_span_is_refused(model_dir, inputs, tok, held):
+    """A prompt may not carry an image's hash-derived id anywhere but in that image's span: its
+    KV, computed without the image, would enter the prefix tree under the image's ids."""
+    p = prepare(inputs, tok, "<start_of_image> describe", [random_image(9)], held)
+    pad = p.input_ids[p.images[0].offset]
+    sched = make_scheduler(str(model_dir))
+    no_image = greedy_req("x", p.input_ids, 2)  # the ids, but not the image
+    extra = req("y", p)
+    extra.input_ids = [*p.input_ids[:1], pad, *p.input_ids[1:]]  # one more, outside the span
+    res = run_to_completion(sched, [no_image, extra])
+    for rid in ("x", "y"):
+        assert res[rid].finish_reason.status_code == 400
+        assert "outside the vocabulary" in res[rid].finish_reason.message
+    with pytest.raises(ImageError, match="outside the vocabulary"):
+        inputs.prepare([pad, *p.input_ids], [data_url(random_image(9))])
