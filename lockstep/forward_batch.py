@@ -4,10 +4,13 @@ lockstep.models, lockstep.model_executor) imports this and nothing wire-facing."
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+
+from lockstep.multimodal.spans import ImageRows
 
 
 class ForwardMode(Enum):
@@ -47,20 +50,27 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] flat positions whose logits are computed
     attn: AttentionMetadata | None = None
     lora_slots: list[int] | None = None  # [B] each request's LoRA slot, -1 the base (lockstep.lora)
+    # Image tokens this pass computes (their embeddings come from the vision tower), and per
+    # (first row, rows, keys) run how many keys those rows see at least: an image's rows see it whole.
+    images: list[ImageRows] = field(default_factory=list)
+    image_key_floors: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
         return int(self.req_pool_indices.numel())
 
-    def build_attention(self, req_to_token: torch.Tensor, windows: set[int | None]) -> None:
+    def build_attention(self, req_to_token: torch.Tensor, windows: set[int | None],
+                        grid: bool | None = None) -> None:
+        """`grid`: the padded-grid metadata of the GPU path (default: off a CPU); a CPU test builds
+        it too, to check the GPU path's masks against the CPU's rows."""
         b = self.batch_size
         ext, pre = self.extend_lens, self.prefix_lens
         seq = pre + ext
         max_q, max_l = int(ext.max()), int(seq.max())
         device = self.input_ids.device
         kv = req_to_token[self.req_pool_indices, :max_l]
-        if device.type == "cpu":
-            self.attn = _cpu_row_metadata(kv, ext, pre, seq, max_l)
+        if not (grid if grid is not None else device.type != "cpu"):
+            self.attn = _cpu_row_metadata(kv, ext, pre, seq, max_l, self.image_key_floors)
             return
         q_idx = torch.arange(max_q, device=device)
         k_idx = torch.arange(max_l, device=device)
@@ -69,7 +79,12 @@ class ForwardBatch:
         col_of_token = torch.arange(ext.sum(), device=device) - starts[row_of_token]
         q_pos = pre[:, None] + q_idx[None, :]  # [B, Q] absolute position of each query
         dist = q_pos[:, :, None] - k_idx[None, None, :]  # [B, Q, L]
-        base = (dist >= 0) & (k_idx[None, None, :] < seq[:, None, None])
+        causal = dist >= 0
+        if self.image_key_floors:  # image rows also see their image's later keys
+            floor = torch.zeros(b * max_q, dtype=torch.int64, device=device)
+            floor[row_of_token * max_q + col_of_token] = _row_floors(self.image_key_floors, int(ext.sum()), device)
+            causal = causal | (k_idx[None, None, :] < floor.view(b, max_q, 1))
+        base = causal & (k_idx[None, None, :] < seq[:, None, None])
         padded_q = q_idx[None, :] >= ext[:, None]  # [B, Q]
         masks = {}
         for w in windows:
@@ -82,9 +97,20 @@ class ForwardBatch:
                                       max_q=max_q, masks=masks)
 
 
+def _row_floors(floors: list[tuple[int, int, int]], rows: int, device: torch.device) -> torch.Tensor:
+    """[rows] the fewest keys each row sees (0: its causal count)."""
+    out = torch.zeros(rows, dtype=torch.int64, device=device)
+    for first, count, keys in floors:
+        out[first:first + count] = keys
+    return out
+
+
 def _cpu_row_metadata(kv: torch.Tensor, ext: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor,
-                      max_l: int) -> AttentionMetadata:
-    """No masks and no padded grid on a CPU (building masks was a third of a decode step's set-up)."""
+                      max_l: int, floors: list[tuple[int, int, int]]) -> AttentionMetadata:
+    """No masks and no padded grid on a CPU (building masks was a third of a decode step's set-up).
+    An image row sees its whole image: its key count is raised to the image's end (a sliding
+    window then ends there too, so past the window's length an image row's window starts up to
+    the image's length later than HF's: docs/images.md)."""
     device = kv.device
     kv_flat = kv[torch.arange(max_l, device=device)[None, :] < seq[:, None]]
     k_starts = torch.cumsum(seq, 0) - seq
@@ -92,7 +118,10 @@ def _cpu_row_metadata(kv: torch.Tensor, ext: torch.Tensor, pre: torch.Tensor, se
         return AttentionMetadata(kv_flat, k_starts, seq)
     row_of_token = torch.repeat_interleave(torch.arange(seq.numel(), device=device), ext)
     col_of_token = torch.arange(int(ext.sum()), device=device) - (torch.cumsum(ext, 0) - ext)[row_of_token]
-    return AttentionMetadata(kv_flat, k_starts[row_of_token], pre[row_of_token] + col_of_token + 1)
+    lens = pre[row_of_token] + col_of_token + 1
+    if floors:
+        lens = torch.maximum(lens, _row_floors(floors, lens.numel(), device))
+    return AttentionMetadata(kv_flat, k_starts[row_of_token], lens)
 
 
 def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:
@@ -134,5 +163,7 @@ def split_forward_batch(fb: ForwardBatch, n: int) -> list[ForwardBatch]:
             out_cache_loc=fb.out_cache_loc[t0:t1], req_pool_indices=fb.req_pool_indices[start:end],
             prefix_lens=fb.prefix_lens[start:end], extend_lens=fb.extend_lens[start:end],
             logits_indices=li[(li >= t0) & (li < t1)] - t0,
-            lora_slots=fb.lora_slots[start:end] if fb.lora_slots is not None else None))
+            lora_slots=fb.lora_slots[start:end] if fb.lora_slots is not None else None,
+            images=[dataclasses.replace(r, row=r.row - t0) for r in fb.images if t0 <= r.row < t1],
+            image_key_floors=[(f - t0, n, k) for f, n, k in fb.image_key_floors if t0 <= f < t1]))
     return parts

@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 
 from lockstep.core import FINISH_ABORT, BaseFinishReason, TokenLogprob
+from lockstep.multimodal.refs import ImageRef
 from lockstep.sampling_params import SamplingParams
 
 
@@ -52,6 +53,10 @@ class TokenizedGenerateReq:
     sample_index: int = 0
     session_params: SessionParams | None = None
     lora_path: str | None = None  # the LoRA adapter's name (SGLang's field name); None: the base
+    # The client's images (data URLs, base64): the front's only. The tokenizer manager turns them
+    # into `images` (content hash + shared-memory handle) before the request leaves it.
+    image_data: list[str] | None = None
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +147,8 @@ class ReqOutput:
     text_delta: str = ""
     # With speculative decoding: (verify passes, draft tokens, accepted draft tokens) so far.
     spec: tuple[int, int, int] | None = None
+    # A model that reads images: its replica's vision tower runs and encoder-cache hits so far.
+    encoder: tuple[int, int] | None = None
 
 
 @dataclass

@@ -117,6 +117,11 @@ class ServerArgs:
     responses_store_file: str | None = flag(
         None, "Keep the stored responses in this file across restarts (rewritten atomically "
               "after each change).", "server")
+    allow_image_urls: bool = flag(
+        False, "Fetch http(s) image URLs (image_url parts, image_data); off: data URLs and base64 "
+               "only. Local paths are never read.", "images")
+    max_image_bytes: int = flag(20 << 20, "Largest image accepted, encoded, in bytes.", "images", min=1)
+    max_images_per_request: int = flag(16, "Most images one prompt may hold.", "images", min=1)
     max_total_tokens: int | None = flag(None, "KV pool size in tokens.", "memory")
     mem_fraction_static: float = flag(
         0.2, "Share of free memory for the KV pool when --max-total-tokens is unset.", "memory")

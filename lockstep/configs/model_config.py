@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lockstep.configs.vision_config import VisionConfig
+
 ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                       "gemma3_text": "gemma3", "gemma3": "gemma3", "bert": "bert"}
 
@@ -49,14 +51,22 @@ class ModelConfig:
     type_vocab_size: int = 0  # BERT's segment (token type) embeddings
     num_labels: int = 0  # a sequence-classification head's outputs (a cross-encoder's score)
     sep_token_id: int | None = None  # BERT: tokens after the first separator are segment 1
+    vision: VisionConfig | None = None  # a model that reads images (lockstep.multimodal)
 
     @property
     def is_gemma(self) -> bool:
         return self.arch == "gemma3"
 
+    @property
+    def model_key(self) -> str:
+        """The model table's key (lockstep.models.registry): the arch, "+vision" with images."""
+        return self.arch + ("+vision" if self.vision else "")
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        cfg = cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg
+        vision = VisionConfig.from_hf(cfg)
+        if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
+            cfg = _gemma3_text_config(cfg["text_config"])
         model_type = cfg.get("model_type", "")
         if model_type not in ARCH_BY_MODEL_TYPE:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: "
@@ -87,7 +97,16 @@ class ModelConfig:
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"), eos_token_ids=eos_ids,
             causal=arch != "bert", type_vocab_size=cfg.get("type_vocab_size", 0),
             num_labels=len(cfg.get("id2label") or {0: 0}) if classifier else 0,
-            sep_token_id=cfg.get("sep_token_id"))
+            sep_token_id=cfg.get("sep_token_id"), vision=vision)
+
+
+def _gemma3_text_config(text: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3's text_config with transformers' defaults filled in: the released
+    checkpoints leave out what equals a default (vocab_size, heads, layer types, RoPE bases), and
+    only the config class knows those (and derives the layer types and RoPE as HF runs them)."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**text).to_dict()
 
 
 def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:

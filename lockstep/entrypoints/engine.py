@@ -56,6 +56,8 @@ from lockstep.managers.scheduler_process import run_scheduler_process
 from lockstep.messages import ReqOutput, TokenizedGenerateReq
 from lockstep.model_loader import resolve_model
 from lockstep.model_loader.pooling import model_kind, pooling_for
+from lockstep.multimodal.images import ImageLimits
+from lockstep.multimodal.processing import image_inputs_for
 from lockstep.server_args import PortArgs, ServerArgs
 from lockstep.utils.process import kill_tree
 
@@ -184,6 +186,10 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
         launched.info.update(kind=model_kind(pooling),
                              pooling=dataclasses.asdict(pooling) if pooling else None)
         launched.tokenizer_manager.kind = launched.info["kind"]
+        launched.tokenizer_manager.image_inputs = image_inputs_for(
+            source.model_dir, source.hf_config, tokenizer,
+            ImageLimits(args.max_image_bytes, max_images=args.max_images_per_request,
+                        allow_urls=args.allow_image_urls))
     return launched
 
 
@@ -312,13 +318,15 @@ class Engine:
                  return_logprob: bool | list[bool] | None = None,
                  logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
                  return_text_in_logprobs: bool | None = None, rid: str | list[str] | None = None,
-                 stream: bool = False, lora_path: str | list[str | None] | None = None) -> Any:
+                 stream: bool = False, lora_path: str | list[str | None] | None = None,
+                 image_data: str | list[Any] | None = None) -> Any:
         """One dict per prompt (a list for a list, or n > 1); with stream=True an iterator of
         chunks. Bad input raises ValueError with the same message the server would send."""
         out = self._call(self._request(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, rid=rid, lora_path=lora_path))
+            return_text_in_logprobs=return_text_in_logprobs, rid=rid, lora_path=lora_path,
+            image_data=image_data))
         return self._sync_stream(out) if stream else out
 
     def _sync_stream(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -336,12 +344,14 @@ class Engine:
                              top_logprobs_num: int | None = None,
                              return_text_in_logprobs: bool | None = None,
                              rid: str | list[str] | None = None, stream: bool = False,
-                             lora_path: str | list[str | None] | None = None) -> Any:
+                             lora_path: str | list[str | None] | None = None,
+                             image_data: str | list[Any] | None = None) -> Any:
         """As `generate`, from any event loop; with stream=True it returns an async iterator."""
         out = await self._await(self._request(
             prompt, sampling_params, input_ids, stream, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, rid=rid, lora_path=lora_path))
+            return_text_in_logprobs=return_text_in_logprobs, rid=rid, lora_path=lora_path,
+            image_data=image_data))
         return self._async_stream(out) if stream else out
 
     async def _async_stream(self, agen: AsyncIterator[dict[str, Any]]

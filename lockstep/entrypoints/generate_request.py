@@ -65,6 +65,13 @@ RidInput = shaped({"str": NonEmptyStr, "list": list[NonEmptyStr]}, "a string or 
 UNION_TAGS = frozenset({"str", "list", "dict", "bool", "list[str]", "list[int]", "list[list]"})
 
 
+# SGLang's image_data: one image (a data URL or base64; an http(s) URL with --allow-image-urls)
+# or a list; for a batch, one such entry per prompt.
+Images = Annotated[list[str], Field(min_length=1)]
+ImageDataInput = shaped({"str": str, "list": list[Union[str, Images]]},  # noqa: UP007
+                        "a string or a list (of strings, or per prompt of a batch)")
+
+
 LogprobFlag = shaped({"bool": bool, "list": list[bool]}, "a boolean or a list",
                      lambda v: "list" if isinstance(v, list) else "bool")
 
@@ -150,6 +157,7 @@ class GenerateReqInput(SchedulingFields):
     session_params: SessionParamsInput | None = None
     lora_path: shaped({"str": NonEmptyStr, "list": list[NonEmptyStr | None]},
                       "an adapter's name or a list of them") | None = None
+    image_data: ImageDataInput | None = None
 
     @property
     def is_batch(self) -> bool:
@@ -176,9 +184,24 @@ class GenerateReqInput(SchedulingFields):
             raise ValueError("session_params: a session request has one prompt")
         if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
             raise ValueError("rid: the rids of a batch must be distinct")
+        if self.image_data is not None:
+            self._images_per_prompt()  # checks the shape against the prompts
         if self.top_logprobs_num and not any(_per_prompt(self.return_logprob, 1)):
             raise ValueError("top_logprobs_num: requires return_logprob to be true")
         return self
+
+    def _images_per_prompt(self) -> list[list[str] | None]:
+        data = self.image_data
+        if data is None:
+            return [None] * self.batch_size
+        if not self.is_batch:
+            if isinstance(data, list) and any(not isinstance(d, str) for d in data):
+                raise ValueError("image_data: for a single prompt, a string or a list of strings")
+            return [[data] if isinstance(data, str) else list(data)]
+        if not isinstance(data, list) or len(data) != self.batch_size:
+            raise ValueError(f"image_data: a batch of {self.batch_size} prompts needs a list with "
+                             "one entry (an image or a list of images) per prompt")
+        return [[d] if isinstance(d, str) else list(d) for d in data]
 
     def normalize(self, limit: int | None = None) -> list[TokenizedGenerateReq]:
         """The single requests this body fans out into (see fan_out)."""
@@ -196,7 +219,8 @@ class GenerateReqInput(SchedulingFields):
             logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
             return_text_in_logprobs=self.return_text_in_logprobs, **self.scheduling(),
             session_params=(SessionParams(**self.session_params.model_dump())
-                            if self.session_params is not None else None))
+                            if self.session_params is not None else None),
+            image_data=self._images_per_prompt())
         return with_lora(singles, _per_prompt(self.lora_path, size))
 
 
@@ -205,7 +229,7 @@ Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): one of them
 
 def fan_out(prompts: list[Prompt], params: list[SamplingParams], *, limit: int | None = None,
             rids: list[str] | None = None, return_logprob: list[bool] | bool = False,
-            **common: Any) -> list[TokenizedGenerateReq]:
+            image_data: list[list[str] | None] | None = None, **common: Any) -> list[TokenizedGenerateReq]:
     """One request per prompt and sample, prompt-major (rids `{rid}-{i}` for the samples); what
     /generate, the OpenAI routes and the Engine run. More than `limit` generations (prompts x n)
     is a RequestError before any request is built."""
@@ -215,10 +239,11 @@ def fan_out(prompts: list[Prompt], params: list[SamplingParams], *, limit: int |
                            f"the limit is {limit} (--max-batch-size)")
     rids = rids if rids is not None else [uuid.uuid4().hex for _ in prompts]
     flags = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(prompts)
+    images = image_data if image_data is not None else [None] * len(prompts)
     out = [TokenizedGenerateReq(rid if sp.n == 1 else f"{rid}-{i}", ids,
                                 sp if sp.n == 1 else _nth_sample(sp, i), flag, input_text=text,
-                                prompt_index=b, sample_index=i, **common)
-           for b, ((text, ids), sp, rid, flag) in enumerate(zip(prompts, params, rids, flags))
+                                prompt_index=b, sample_index=i, image_data=im, **common)
+           for b, ((text, ids), sp, rid, flag, im) in enumerate(zip(prompts, params, rids, flags, images))
            for i in range(sp.n)]
     if len({r.rid for r in out}) != len(out):
         raise RequestError("rid: the fanned-out rids collide; choose distinct rids")

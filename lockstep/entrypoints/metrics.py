@@ -91,6 +91,11 @@ class Metrics:
             "sglang:spec_accept_length": ("The average acceptance length of speculative "
                                           "decoding (tokens per verify pass).",
                                           lambda: spec_rates(*self._spec)[1]),
+            # Images (a running total, summed over replicas): tower runs, encoder-cache hits.
+            "lockstep:image_encoder_runs": ("Images the vision tower encoded.",
+                                            lambda: sum(r for r, _ in self._encoder.values())),
+            "lockstep:image_encoder_hits": ("Image lookups served by the encoder cache.",
+                                            lambda: sum(h for _, h in self._encoder.values())),
         }
         ranks = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
         for name, (doc, fn) in gauges.items():
@@ -99,11 +104,14 @@ class Metrics:
         self._prompt_total = 0
         self._cached_total = 0
         self._spec = [0, 0, 0]  # verify passes, draft tokens, accepted draft tokens
+        self._encoder: dict[int, tuple[int, int]] = {}  # by replica: the latest (runs, hits)
         tm.observers.append(self.observe)
 
     def observe(self, state: ReqState, out: ReqOutput, now: float) -> None:
         """Called with each output before the request's state takes it in."""
         streaming = {"is_streaming": "true" if state.stream else "false", **self.labels}
+        if out.encoder is not None:
+            self._encoder[out.dp_rank] = out.encoder
         if state.outputs_seen == 0:
             self.prompt_tokens.labels(**streaming).inc(out.prompt_tokens)
             self.cached_tokens.inc(out.cached_tokens)

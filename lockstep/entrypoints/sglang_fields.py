@@ -34,7 +34,7 @@ def _off(why: str, names: str, *values: Any) -> dict[str, Off]:
     return dict.fromkeys(names.split(), Off(why, values))
 
 
-_MM = "text-only: no multimodal inputs"
+_MM = "no video, audio or embedding inputs (images: image_data)"
 _PD = "no prefill/decode disaggregation"
 _ROUTING = "no routing or cache keys beyond routed_dp_rank"
 _FLAT = "no flat raw logprobs"
@@ -55,9 +55,9 @@ SAMPLING_PARAMS: Table = {
 GENERATE: Table = {
     **_served("rid text input_ids sampling_params return_logprob logprob_start_len "
               "top_logprobs_num return_text_in_logprobs stream priority routed_dp_rank "
-              "data_parallel_rank session_params lora_path"),
+              "data_parallel_rank session_params lora_path image_data"),
     **_off("/generate serves the one model; name none", "model"),  # sglang-router sends null
-    **_off(_MM, "input_embeds image_data video_data audio_data mm_hashes mm_content_hashes "
+    **_off(_MM, "input_embeds video_data audio_data mm_hashes mm_content_hashes "
            "video_config modalities positional_embed_overrides need_wait_for_mm_inputs "
            "num_items_assigned encoder_urls max_dynamic_patch min_dynamic_patch "
            "image_max_dynamic_patch video_max_dynamic_patch images_config mm_processor_kwargs "

@@ -34,6 +34,10 @@ from lockstep.messages import (
     encode,
     zmq_socket,
 )
+from lockstep.multimodal.images import ImageError
+from lockstep.multimodal.processing import ImageInputs
+from lockstep.multimodal.refs import ImageRef
+from lockstep.multimodal.shm import ImageSegments
 from lockstep.sampling_params import SamplingParams
 from lockstep.server_args import PortArgs, ServerArgs
 
@@ -159,10 +163,15 @@ class TokenizerManager:
                 "embed": "start a server with an embedding model (--is-embedding)",
                 "score": "start a server with a cross-encoder reranker model"}[wanted]
         raise RequestError(f"{route}: this server's model {serves}; {hint}")
+        # The model's image handling (None: it reads no images), and the shared-memory segments
+        # of requests in flight, each freed once its request has ended at the scheduler.
+        self.image_inputs: ImageInputs | None = None
+        self.image_segments = ImageSegments()
 
     def close(self) -> None:
         """Release the sockets; the output loop then ends by itself (ContextTerminated)."""
         self.ctx.destroy(linger=0)
+        self.image_segments.release_all()
 
     def start(self) -> None:
         """The output loop, on the running event loop (the first request's: it serves them all)."""
@@ -221,10 +230,15 @@ class TokenizerManager:
         """Yields one output per message; the last has its finish_reason set. If the consumer
         stops early (client gone), the request is aborted and its KV freed."""
         # Given ids are the scheduler's to check against its vocabulary.
-        ids = (list(req.input_ids) if req.input_ids is not None
-               else await self.tokenize_text(req.input_text or ""))
+        text = req.input_text or ""
+        if req.image_data and self.image_inputs is not None:
+            text = self.image_inputs.expand_text(text)  # as HF's processor places images
+        ids = (list(req.input_ids) if req.input_ids is not None else await self.tokenize_text(text))
         if req.sampling_params.max_new_tokens != 0:  # the Engine's way in; routes check first
             self.check_kind("generate", "generation")
+        if req.image_data and req.session_params is not None:
+            raise RequestError("session_params: a session's turns are text only; send the images "
+                               "without a session")
         limit = self.args.max_queued_requests
         running = self.args.max_running_requests * self.replicas.count("active")
         if limit is not None and len(self.states) >= limit + running:
@@ -260,6 +274,9 @@ class TokenizerManager:
             if session is not None:
                 self.sessions.end(session, rid, None, None)
             raise
+        images: list[ImageRef] = []
+        if req.image_data:  # decoded, preprocessed, hashed and shared off the event loop
+            ids, images = await self._share_images(rid, ids, req)
         lp, top = req.return_logprob, bool(req.return_logprob and req.top_logprobs_num)
         state = ReqState(GenerateOutput(
             rid, "", [], "", [], len(ids), 0, 0, None, 0.0,
@@ -269,7 +286,7 @@ class TokenizerManager:
         self.states[rid] = state
         self.start()
         await self.to_scheduler.send(encode(dataclasses.replace(
-            req, rid=rid, input_ids=ids, sampling_params=params)))
+            req, rid=rid, input_ids=ids, sampling_params=params, image_data=None, images=images)))
         try:
             while True:
                 out: ReqOutput = await state.queue.get()
@@ -288,6 +305,22 @@ class TokenizerManager:
                 self.sessions.end(session, rid, None, None)
             if not state.finished:
                 await self.abort(rid)
+
+    async def _share_images(self, rid: str, ids: list[int], req: TokenizedGenerateReq
+                            ) -> tuple[list[int], list[ImageRef]]:
+        """The prompt with its images' tokens marked, and the images (their pixels held in
+        shared memory under `rid` until the request ends); a 400 naming what is wrong."""
+        if self.image_inputs is None:
+            raise RequestError(f"image input: the model {self.args.model_path!r} takes no images")
+        if req.return_logprob and req.logprob_start_len >= 0:
+            raise RequestError("logprob_start_len: prompt logprobs of a prompt with images are not "
+                               "served; leave it at -1")
+        try:
+            prepared = await asyncio.to_thread(self.image_inputs.prepare, ids, req.image_data or [])
+        except ImageError as e:
+            raise RequestError(str(e)) from None
+        self.image_segments.hold(rid, prepared.segments)
+        return prepared.input_ids, prepared.images
 
     def _merge(self, state: ReqState, out: ReqOutput, req: TokenizedGenerateReq
                ) -> GenerateOutput:
@@ -358,6 +391,8 @@ class TokenizerManager:
                 for out in msg.outputs:
                     if (state := self.states.get(out.rid)) is not None:
                         state.queue.put_nowait(out)
+                    if out.finish_reason is not None:  # no rank reads its images any more
+                        self.image_segments.release(out.rid)
             elif isinstance(msg, (FlushCacheOut, LoraUpdateOut)):
                 if self.control_waiters:
                     self.control_waiters.pop(0).set_result(msg)

@@ -149,5 +149,6 @@ def counts_matrix(token_lists: Sequence[Sequence[int]], vocab: int, device: str)
     for row, toks in enumerate(token_lists):
         if toks:
             t = torch.tensor(toks, dtype=torch.int64, device=device)
+            t = t[t < vocab]  # an image's tokens carry ids past the vocabulary: not counted
             counts[row].index_add_(0, t, torch.ones_like(t, dtype=torch.int32))
     return counts

@@ -28,6 +28,8 @@ from lockstep.forward_batch import ForwardBatch, ForwardMode
 from lockstep.layers.sampler import SamplingBatchInfo, counts_matrix
 from lockstep.lora.adapter import LoraAdapter
 from lockstep.managers.stop_checker import StopChecker
+from lockstep.multimodal.refs import ImageRef
+from lockstep.multimodal.spans import ImageRows, outside_vocab, rows_in_pass
 from lockstep.sampling_params import SamplingParams
 
 
@@ -119,13 +121,14 @@ class Req:
     logprobs: LogprobState = field(default_factory=LogprobState)
     embedding: list[float] | None = None  # an embedding model's pooled vector, once computed
     lora: LoraAdapter | None = None  # its LoRA adapter (lockstep.lora), None: the base model
+    images: list[ImageRef] = field(default_factory=list)  # its tokens carry hash-derived ids
 
     def limits_error(self, context_len: int, max_req_len: int, vocab_size: int) -> str | None:
         """Why the request can never run here (a 400), or None. `max_req_len` is the smaller of
         the context length and the KV pool."""
         n_prompt, max_new = len(self.origin_input_ids), self.sampling_params.max_new_tokens
         room = context_len - n_prompt
-        bad = [t for t in self.origin_input_ids if t < 0 or t >= vocab_size]
+        bad = outside_vocab(self.origin_input_ids, self.images, vocab_size)
         if n_prompt == 0:
             return "the prompt is empty"
         if max_new > room or room <= 0:
@@ -135,8 +138,8 @@ class Req:
             return (f"max_new_tokens ({max_new}) + prompt ({n_prompt} tokens) exceeds the KV pool "
                     f"of {max_req_len} tokens (--max-total-tokens; the model's context length is "
                     f"{context_len})")
-        if bad:
-            return f"input_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        if bad is not None:
+            return f"input_ids: token id {bad} is outside the vocabulary [0, {vocab_size})"
         return None
 
     @property
@@ -222,6 +225,8 @@ class ScheduleBatch:
         sample_rows: list[int] = []
         prompt_rows: list[tuple[int, int] | None] = []
         prompt_targets: list[int] = []
+        image_rows: list[ImageRows] = []
+        image_floors: list[tuple[int, int, int]] = []
         for req, samples in zip(self.reqs, self.samples):
             fill = req.fill_ids
             if req.kv.future_token is not None:  # sampled by the batch in flight: resolved on the thread
@@ -230,6 +235,10 @@ class ScheduleBatch:
             kv, start = req.kv, len(ids)
             ids.extend(fill[kv.cached_len:kv.device_len])
             positions.extend(range(kv.cached_len, kv.device_len))
+            if req.images:
+                rows, floors = rows_in_pass(req.images, kv.cached_len, kv.device_len, start)
+                image_rows.extend(rows)
+                image_floors.extend(floors)
             # The prompt rows [lo, hi) this step computes, of those whose logprob was asked for.
             pstart = req.prompt_logprob_start
             lo = max(pstart or 0, kv.cached_len)
@@ -248,7 +257,8 @@ class ScheduleBatch:
             out_cache_loc=self.out_cache_loc,
             req_pool_indices=t([r.kv.req_pool_idx for r in self.reqs]),
             prefix_lens=t([r.kv.cached_len for r in self.reqs]),
-            extend_lens=t([r.kv.extend_len for r in self.reqs]), logits_indices=t(logits_idx))
+            extend_lens=t([r.kv.extend_len for r in self.reqs]), logits_indices=t(logits_idx),
+            images=image_rows, image_key_floors=image_floors)
         rows = [(r, i) for r, s in zip(self.reqs, self.samples) for i in range(s)]
         sampling = build_sampling_info([r for r, _ in rows], vocab_size, base_seed, device,
                                        fill_masks, [i for _, i in rows])

@@ -52,6 +52,7 @@ from lockstep.messages import (
     TokenizedGenerateReq,
     UnloadLoraAdapterReq,
 )
+from lockstep.multimodal.spans import chunk_take
 from lockstep.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class Scheduler:
         self.lora = create_lora_manager(args, runner) if args.lora_enabled else None
         self.outputs = OutputProcessor(self, self.stats, frozenset(eos_token_ids), self.max_req_len,
                                        self.speculator, dp_rank)
+        self.outputs.encoder_stats = runner.encoder_stats
         self.overlap = args.overlap_schedule
         self.loop = (OverlapLoop(self, args.max_running_requests + 1) if self.overlap
                      else PlainLoop(self))
@@ -130,7 +132,7 @@ class Scheduler:
         """Every check of a request, once: a 400 is its first output, which the front awaits."""
         req = Req(msg.rid, list(msg.input_ids), msg.sampling_params, arrival=self.step_count,
                   logprobs=LogprobState(msg.return_logprob, msg.logprob_start_len,
-                                        msg.top_logprobs_num))
+                                        msg.top_logprobs_num), images=list(msg.images))
         p = req.sampling_params
         req.priority, error = self.priorities.resolve(msg.priority)
         error = error or req.limits_error(self.context_len, self.max_req_len, self.vocab_size)
@@ -271,7 +273,8 @@ class Scheduler:
         locs: list[torch.Tensor] = []
         if self.chunked_req is not None:
             req = self.chunked_req
-            take = min(req.seq_len - req.kv.cached_len, budget)
+            take = chunk_take(req.images, req.kv.cached_len, min(req.seq_len - req.kv.cached_len, budget),
+                              req.seq_len - req.kv.cached_len)
             loc = self._alloc_retracting(lambda: take)
             if loc is None:  # admission reserved the prompt; only decodes compete for it
                 raise RuntimeError("KV for an admitted chunked prefill was not available")
@@ -325,7 +328,7 @@ class Scheduler:
             if reserved + need > available:
                 break
             self.tree.inc_lock_ref(node)
-            take = min(extend, budget)
+            take = chunk_take(req.images, prefix, min(extend, budget), extend)
             loc = self._alloc(take)
             if loc is None:
                 self.tree.dec_lock_ref(node)

@@ -25,6 +25,7 @@ from lockstep.managers.schedule_batch import Req, ReqPhase, ScheduleBatch
 from lockstep.managers.speculative import Speculator
 from lockstep.managers.tp_worker import GenerationBatchResult
 from lockstep.messages import ReqOutput
+from lockstep.multimodal.encoder_cache import EncoderStats
 
 
 @dataclass
@@ -63,6 +64,7 @@ class OutputProcessor:
         self.speculator = speculator
         self.dp_rank = dp_rank  # which data-parallel replica this scheduler serves
         self.pending: list[ReqOutput] = []  # this step's outputs, in the order they happened
+        self.encoder_stats: EncoderStats | None = None  # a model that reads images: its cache's
 
     def take_outputs(self) -> list[ReqOutput]:
         out, self.pending = self.pending, []
@@ -177,7 +179,8 @@ class OutputProcessor:
             input_token_logprobs=prompt, input_top_logprobs=prompt_top,
             dp_rank=self.dp_rank, embedding=req.embedding, text_limit=stops.text_limit(req.finished) if stops else None,
             decode_options=(p.skip_special_tokens, p.spaces_between_special_tokens),
-            spec=(s.verify_ct, s.drafted, s.accepted) if (s := req.spec.drafter) else None))
+            spec=(s.verify_ct, s.drafted, s.accepted) if (s := req.spec.drafter) else None,
+            encoder=(e.runs, e.hits) if (e := self.encoder_stats) else None))
 
 
 def _logprobs(pairs: list[tuple[float, int]]) -> list[TokenLogprob]:

@@ -21,6 +21,7 @@ import torch
 
 from lockstep.managers.ngram_drafter import NgramConfig, NgramDrafter
 from lockstep.managers.schedule_batch import Req
+from lockstep.multimodal.refs import is_pad_id
 from lockstep.server_args import ServerArgs
 
 # On a CPU a decode step's cost is its weight reads up to a few rows and its arithmetic beyond: a
@@ -81,6 +82,8 @@ class Speculator:
         # Plain decoding would emit at most this many more tokens; this step emits 1 + the draft.
         left = min(p.max_new_tokens - len(req.output_ids), max_req_len - req.seq_len)
         draft = self.drafter.propose(state, req.fill_ids, left - 1)
+        if req.images:  # an image's tokens are never sampled: a draft ends before the first
+            draft = draft[:next((i for i, t in enumerate(draft) if is_pad_id(t)), len(draft))]
         if (grammar := req.sampling.grammar) is not None:  # a token it forbids ends the draft
             draft = draft[:grammar.valid_prefix(draft)]
         return draft

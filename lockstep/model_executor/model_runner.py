@@ -18,6 +18,7 @@ from lockstep.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenT
 from lockstep.model_executor.weight_setup import load_model_weights
 from lockstep.model_loader.source import ModelSource
 from lockstep.models.registry import build_model
+from lockstep.multimodal.encoder_cache import EncoderStats
 from lockstep.utils.process import keep_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,13 @@ class ModelRunner:
         self.windows = set(model_cfg.layer_windows)
         self.pp_stats = PipelineStats()
         self.lora: LoraLayers | None = None  # with --enable-lora (lockstep.lora.manager sets it)
+
+    @property
+    def encoder_stats(self) -> EncoderStats | None:
+        """The vision tower's runs and cache hits, for a model that reads images on one stage
+        (with pipeline stages the first encodes and the last reports: None there)."""
+        cache = getattr(self.model, "encoder_cache", None)
+        return cache.stats if cache is not None and self.pp.size == 1 else None
 
     def _kv_budget(self) -> int:
         if self.cfg.max_total_tokens:

@@ -120,6 +120,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # name prefixes of parameters a subclass loads itself (a vision tower), not load_weights
+    other_params: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,
                  pp: PipelineGroup = NO_PIPELINE) -> None:
@@ -157,11 +159,15 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def embed_inputs(self, fb: ForwardBatch) -> torch.Tensor:
+        """The batch's input embeddings (a multimodal model puts its images' features in)."""
+        return self.embed(fb.input_ids)
+
     def forward(self, fb: ForwardBatch, pool: TokenToKVPool,
                 hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """The last stage returns final-normed hidden states at fb.logits_indices only; earlier
         stages return every token's hidden state for the next stage."""
-        h = self.embed(fb.input_ids) if self.pp.is_first else hidden_in
+        h = self.embed_inputs(fb) if self.pp.is_first else hidden_in
         rope = {key: r.cos_sin(fb.positions, h.dtype) for key, r in self.rotary.items()}
         for layer, p in zip(self.stage_layers, self.one_call_args, strict=True):
             h = layer(h, fb, pool, rope) if p is None else one_call.forward(p, h, fb, pool, rope)
@@ -182,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> set[str]:
         """Float tensors are copied into the parameters (in their dtype); block weights are kept
         by their layers until `finish_loading`."""
-        params = dict(self.named_parameters())
+        params = {n: p for n, p in self.named_parameters() if not n.startswith(self.other_params)}
         loaded: set[str] = set()
         for name, tensor in weights:
             # Multimodal Gemma 3 checkpoints nest the text model under language_model.

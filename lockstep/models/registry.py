@@ -7,13 +7,14 @@ from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
 from lockstep.models.bert import BertModel
 from lockstep.models.gemma3 import Gemma3ForCausalLM
+from lockstep.models.gemma3_mm import Gemma3ForConditionalGeneration
 from lockstep.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     **dict.fromkeys(("llama", "qwen2", "qwen3"), LlamaForCausalLM), "gemma3": Gemma3ForCausalLM,
-    "bert": BertModel}
+    "gemma3+vision": Gemma3ForConditionalGeneration, "bert": BertModel}
 
 
 def build_model(cfg: ModelConfig, tp: ParallelGroup, dtype: torch.dtype,
                 pp: PipelineGroup = NO_PIPELINE) -> nn.Module:
-    return MODELS[cfg.arch](cfg, tp, dtype, pp)
+    return MODELS[cfg.model_key](cfg, tp, dtype, pp)

@@ -410,7 +410,7 @@ BAD_INPUTS = [
     _case("/v1/chat/completions", {"messages": []}, 400, "messages"),
     _case("/v1/chat/completions", {"messages": [{"role": "robot", "content": "a"}]}, 400, "role"),
     _case("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "only 'text' parts"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "takes no images"),
     _case("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                    "tools": [{"type": "function"}]}, 400, "tool"),
     _case("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "a"}]}, 404, "gpt-4"),

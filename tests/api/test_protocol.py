@@ -207,8 +207,12 @@ BAD_INPUTS = [
         "top_logprobs_num: requires return_logprob",
     ),
     (GenerateReqInput, {"text": "a", "logprob_start_len": -2}, "logprob_start_len: must be >= -1"),
-    (GenerateReqInput, {"text": "a", "image_data": "http://x/y.png"},
-     'image_data: "http://x/y.png" is not supported by this server (text-only'),
+    (GenerateReqInput, {"text": "a", "video_data": "http://x/y.mp4"},
+     'video_data: "http://x/y.mp4" is not supported by this server (no video'),
+    (GenerateReqInput, {"text": ["a", "b"], "image_data": ["x"]},
+     "image_data: a batch of 2 prompts needs a list with one entry"),
+    (GenerateReqInput, {"text": "a", "image_data": [["x"]]},
+     "image_data: for a single prompt, a string or a list of strings"),
     (GenerateReqInput, {"text": "a", "imagedata": "x"}, "imagedata: unknown field"),
     (GenerateReqInput, {"text": "a", "sampling_params": {"stream_interval": 4}},
      "sampling_params: stream_interval: 4 is not supported by this server (every token is "
@@ -283,10 +287,10 @@ BAD_INPUTS = [
         ChatCompletionRequest,
         {
             "messages": [
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "u"}}]}
             ]
         },
-        "messages[0].content[0]: has type 'image_url'; only 'text' parts are supported",
+        "messages[0].content[0]: has type 'input_audio'; only 'text', 'image_url' parts are supported",
     ),
     (
         ChatCompletionRequest,

@@ -209,8 +209,18 @@ class TextPart(StrictModel):
     text: str
 
 
-# Parts are told apart by their "type"; text is the only kind this server reads.
-ContentPart = Annotated[Union[TextPart], Field(discriminator="type")]  # noqa: UP007
+class ImageUrl(StrictModel):
+    url: str  # a data URL (or bare base64); an http(s) URL where --allow-image-urls
+    detail: Literal["auto"] | None = None  # one resolution: the model's own
+
+
+class ImageUrlPart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+# Parts are told apart by their "type".
+ContentPart = Annotated[Union[TextPart, ImageUrlPart], Field(discriminator="type")]  # noqa: UP007
 ContentInput = shaped({"str": str, "list": list[ContentPart]},
                       "a string or a list of content parts")
 
@@ -272,9 +282,11 @@ class ChatMessage(StrictModel):
             raise ValueError("tool_call_id: a tool message needs one, and only a tool message")
         return self
 
-    def text(self) -> str:
+    def text(self, image_placeholder: str = "") -> str:
+        """The content as text, each image part written as `image_placeholder` (the model's
+        marker of where an image goes)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(p.text if isinstance(p, TextPart) else image_placeholder for p in self.content)
         return self.content or ""
 
 
@@ -310,11 +322,16 @@ class ChatCompletionRequest(_OpenAIRequest):
         limit = self.max_completion_tokens
         return limit if limit is not None else self.max_tokens
 
-    def messages_as_dicts(self) -> list[dict[str, Any]]:
-        """Messages for a chat template: content flattened to text, the other fields kept when
-        given."""
+    def messages_as_dicts(self, image_placeholder: str = "") -> list[dict[str, Any]]:
+        """Messages for a chat template: content flattened to text (images as the model's
+        placeholder), the other fields kept when given."""
         return [{**m.model_dump(exclude_none=True, include={"name", "tool_calls", "tool_call_id"}),
-                 "role": m.role, "content": m.text()} for m in self.messages]
+                 "role": m.role, "content": m.text(image_placeholder)} for m in self.messages]
+
+    def image_urls(self) -> list[str]:
+        """Every image_url part's URL, in message and part order (the prompt's image order)."""
+        return [p.image_url.url for m in self.messages if isinstance(m.content, list)
+                for p in m.content if isinstance(p, ImageUrlPart)]
 
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]

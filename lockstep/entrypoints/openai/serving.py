@@ -193,7 +193,12 @@ class OpenAIServing:
             raise RequestError(f"chat_template_kwargs: {', '.join(clash)} cannot be set here "
                                "(an argument of the template renderer, not a template variable)")
         try:
-            messages = [template_message(i, m) for i, m in enumerate(req.messages_as_dicts())]
+            images = self.tm.image_inputs
+            if req.image_urls() and images is None:
+                raise RequestError(f"messages: image_url parts: the model {self.args.model_path!r} "
+                                   "takes no images")
+            placeholder = images.placeholder if images is not None else ""
+            messages = [template_message(i, m) for i, m in enumerate(req.messages_as_dicts(placeholder))]
             prompt = render_chat(tok, self.chat_template, messages, extra_context=kwargs,
                                  add_generation_prompt=add_generation_prompt,
                                  tools=list(plan.tools) if plan is not None else None)
@@ -201,7 +206,8 @@ class OpenAIServing:
             raise RequestError(str(e)) from None
         except ChatTemplateError as e:
             raise RequestError(f"messages: {e}") from e
-        return await self.tm.tokenize_text(prompt, add_special_tokens=add_special_tokens), prompt
+        text = images.expand_text(prompt) if images is not None and req.image_urls() else prompt
+        return await self.tm.tokenize_text(text, add_special_tokens=add_special_tokens), prompt
 
     def reasoning_parsers(self, req: ChatCompletionRequest, prompt: str, json_output: bool,
                           n: int) -> list[ReasoningParser | None]:
@@ -267,7 +273,7 @@ class OpenAIServing:
         params = req.to_sampling_params(forced)
         singles = fan_out(
             [(None, ids)], [params], limit=self.args.max_batch_size,
-            stream=req.stream, return_logprob=req.logprobs,
+            image_data=[req.image_urls() or None], stream=req.stream, return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0, return_text_in_logprobs=True,
             **req.scheduling())
         with_lora(singles, [lora])
