@@ -32,9 +32,9 @@ from lockstep.forward_batch import ForwardMode
 from lockstep.lora.adapter import AdapterError
 from lockstep.lora.manager import create_lora_manager, lora_of
 from lockstep.managers.grammar_queue import GrammarQueue
+from lockstep.managers.prefill_adder import admit_waiting
 from lockstep.managers.priority import PriorityRule
 from lockstep.managers.schedule_batch import KVState, LogprobState, Req, ReqPhase, ScheduleBatch
-from lockstep.managers.schedule_policy import order_waiting
 from lockstep.managers.scheduler_output_processor import OutputProcessor, SchedulerStats
 from lockstep.managers.speculative import Speculator
 from lockstep.managers.step_loops import OverlapLoop, PlainLoop
@@ -57,9 +57,6 @@ from lockstep.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# A waiting request sharing this many new tokens with one admitted this step waits a step, so
-# that it reuses the other's KV from the tree instead of computing the same prefix twice.
-IN_BATCH_PREFIX_THRESHOLD = 32
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.2
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
@@ -123,7 +120,7 @@ class Scheduler:
                 self.control_replies.append(self.flush_cache())
             elif isinstance(msg, (LoadLoraAdapterReq, UnloadLoraAdapterReq)):
                 self.control_replies.append(
-                    self.lora.update(msg, self._lora_in_use(), self.loop.resolve) if self.lora
+                    self.lora.update(msg, self.lora_in_use(), self.loop.resolve) if self.lora
                     else LoraUpdateOut(False, "LoRA adapters are off: start with --enable-lora", 400))
             else:
                 logger.error("scheduler ignored unknown message %r", type(msg).__name__)
@@ -160,7 +157,7 @@ class Scheduler:
         ready = self.grammar_queue.ready(wait=not received and self._no_batch_work())
         return [*received, GrammarsReady(ready)] if ready else received
 
-    def _lora_in_use(self, admitted: Iterable[Req] = ()) -> list[Any]:
+    def lora_in_use(self, admitted: Iterable[Req] = ()) -> list[Any]:
         """The adapters of the requests that hold KV (their slots stay as they are)."""
         chunked = [self.chunked_req] if self.chunked_req is not None else []
         return [r.lora for r in (*self.running, *chunked, *admitted) if r.lora is not None]
@@ -261,7 +258,7 @@ class Scheduler:
         left = req.sampling_params.max_new_tokens - len(req.output_ids)
         return int(max(0, left) * self.new_token_ratio)
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
+    def alloc(self, n: int) -> torch.Tensor | None:
         short = n - self.allocator.available_size()
         if short > 0:
             self.tree.evict(short)
@@ -284,79 +281,13 @@ class Scheduler:
             locs.append(loc)
             self.chunked_req = None if req.kv.device_len == req.seq_len else req
         if self.chunked_req is None and budget > 0 and self.waiting:
-            self._admit_waiting(admitted, locs, budget)
+            admit_waiting(self, admitted, locs, budget)
         if not admitted:
             return None
         for kv, loc in zip((r.kv for r in admitted), locs):
             self.req_to_token_pool.req_to_token[kv.req_pool_idx, kv.cached_len:kv.device_len] = loc
         return ScheduleBatch(admitted, ForwardMode.EXTEND,
                              [int(r.kv.device_len == r.seq_len) for r in admitted], torch.cat(locs))
-
-    def _admit_waiting(self, admitted: list[Req], locs: list[torch.Tensor], budget: int) -> None:
-        available = self.allocator.available_size() + self.tree.evictable_size()
-        reserved = sum(map(self.future_tokens, self.running))
-        reserved += sum(r.seq_len - r.kv.cached_len for r in admitted)
-        order = order_waiting(self.args.schedule_policy, self.waiting, self.tree, self.rng)
-        for req in self.priorities.order(order):
-            if budget <= 0:
-                break
-            if req.lora is not None and not self.lora.make_resident(  # else it waits for a slot
-                    req.lora, self._lora_in_use(admitted), self.step_count, self.loop.resolve):
-                continue
-            for attempt in range(2):  # matched again after preempting: the tree changed
-                fill = req.prefix_key
-                indices, node = self.tree.match_prefix(fill)
-                limit = len(fill) - 1
-                if req.prompt_logprob_start is not None:
-                    limit = min(limit, req.prompt_logprob_start)
-                prefix = min(int(indices.numel()), limit)
-                shares = self._shares_new_prefix(fill, prefix, admitted)
-                extend = len(fill) - prefix
-                need = extend + self.future_tokens(req)
-                slot_short = (len(self.running) + len(admitted) >= self.args.max_running_requests
-                              or self.req_to_token_pool.available_size() == 0)
-                if attempt or shares or not (slot_short or reserved + need > available):
-                    break
-                room = self.priorities.preempt(self, req, reserved + need - available, slot_short)
-                if room is None:
-                    break
-                available += room
-            if slot_short:
-                break
-            if shares:
-                continue
-            if reserved + need > available:
-                break
-            self.tree.inc_lock_ref(node)
-            take = chunk_take(req.images, prefix, min(extend, budget), extend)
-            loc = self._alloc(take)
-            if loc is None:
-                self.tree.dec_lock_ref(node)
-                break
-            kv = req.kv
-            kv.req_pool_idx = self.req_to_token_pool.alloc()
-            self.req_to_token_pool.req_to_token[kv.req_pool_idx, :prefix] = indices[:prefix]
-            kv.last_node, kv.prefix_len = node, prefix
-            kv.cached_len, kv.device_len = prefix, prefix + take
-            if not req.output_ids:
-                req.cached_tokens = prefix
-                self.stats.cached_tokens += prefix
-            req.phase = ReqPhase.PREFILL
-            self.waiting.remove(req)
-            admitted.append(req)
-            locs.append(loc)
-            budget -= take
-            reserved += need
-            if take < extend:
-                self.chunked_req = req
-                break
-
-    def _shares_new_prefix(self, fill: list[int], prefix: int, admitted: list[Req]) -> bool:
-        if isinstance(self.tree, ChunkCache) or len(fill) - prefix <= IN_BATCH_PREFIX_THRESHOLD:
-            return False
-        new = fill[prefix:prefix + IN_BATCH_PREFIX_THRESHOLD]  # shared whole by another: wait
-        return any(other.prefix_key[prefix:prefix + IN_BATCH_PREFIX_THRESHOLD] == new
-                   for other in admitted)
 
     def _decode_batch(self) -> ScheduleBatch | None:
         if any(r.needs_real_outputs for r in self.running):
@@ -367,7 +298,7 @@ class Scheduler:
             self.running = self.lora.grouped(self.running)
         loc = None
         if self.speculator is not None:
-            loc = self.speculator.draft(self.running, self.max_req_len, self._alloc)
+            loc = self.speculator.draft(self.running, self.max_req_len, self.alloc)
         if loc is None:  # drafts never retract anyone: no draft got KV, or none was made
             loc = self._alloc_retracting(lambda: len(self.running))
         if loc is None or not self.running:
@@ -384,11 +315,11 @@ class Scheduler:
     def _alloc_retracting(self, size: Callable[[], int]) -> torch.Tensor | None:
         """KV slots for `size()` (re-read as requests go), retracting running requests while the
         pool is short: decodes mixed between a chunked prefill's chunks can use up its share."""
-        loc = self._alloc(size())
+        loc = self.alloc(size())
         while loc is None and self.running:
             if not self.loop.resolve():  # a retraction picks by real outputs: those first
                 self._retract_one()
-            loc = self._alloc(size())
+            loc = self.alloc(size())
         return loc
 
     def retract(self, victim: Req) -> None:
