@@ -236,6 +236,12 @@ def sample_chat_requests(tokenizer: Any, num_prompts: int, output_len: int) -> l
     return rows
 
 
+# Each dataset's name, and the prefix of its own flags (recorded with each result): the one list
+# of datasets, so that a new one cannot be offered without its flags being recorded.
+DATASET_ARG_PREFIXES = {"random": "random_", "generated-shared-prefix": "gsp_", "edit": "edit_",
+                        "chat": "chat_"}
+
+
 def get_dataset(args: Any, tokenizer: Any) -> list[DatasetRow]:
     """Rows for parsed bench_serving-style args (see `add_dataset_args`)."""
     if args.dataset_name == "random":
@@ -255,7 +261,7 @@ def get_dataset(args: Any, tokenizer: Any) -> list[DatasetRow]:
 
 def add_dataset_args(parser: Any) -> None:
     parser.add_argument("--dataset-name", default="random",
-                        choices=["random", "generated-shared-prefix", "edit", "chat"],
+                        choices=list(DATASET_ARG_PREFIXES),
                         help="Built-in deterministic datasets (no downloads).")
     parser.add_argument("--num-prompts", type=int, default=1000,
                         help="Requests in the random dataset (default: 1000).")

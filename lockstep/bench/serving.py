@@ -41,9 +41,6 @@ AIOHTTP_TIMEOUT_S = 6 * 60 * 60
 BACKENDS = ("lockstep", "sglang", "vllm", "openai")
 NATIVE_BACKENDS = ("lockstep", "sglang")
 # The arguments of each dataset, recorded with its results (by their name's prefix).
-DATASET_ARGS = {"random": "random_", "generated-shared-prefix": "gsp_", "edit": "edit_"}
-
-
 @dataclass
 class RequestInput:
     prompt: str
@@ -446,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from lockstep.bench.datasets import get_dataset, load_tokenizer
+    from lockstep.bench.datasets import DATASET_ARG_PREFIXES, get_dataset, load_tokenizer
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -475,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             "tag": args.tag, "backend": args.backend, "dataset_name": args.dataset_name,
             "num_prompts": len(rows), "request_rate": args.request_rate,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
-            **{k: v for k, v in vars(args).items() if k.startswith(DATASET_ARGS[args.dataset_name])},
+            **{k: v for k, v in vars(args).items() if k.startswith(DATASET_ARG_PREFIXES[args.dataset_name])},
             **asdict(metrics),
             # 1-minute load average before and after: on a shared machine, the context of a figure
             "load_avg_start": load_start, "load_avg_end": load_end,
