@@ -91,12 +91,14 @@ class Metrics:
             "sglang:spec_accept_length": ("The average acceptance length of speculative "
                                           "decoding (tokens per verify pass).",
                                           lambda: spec_rates(*self._spec)[1]),
-            # Images (a running total, summed over replicas): tower runs, encoder-cache hits.
-            "lockstep:image_encoder_runs": ("Images the vision tower encoded.",
-                                            lambda: sum(r for r, _ in self._encoder.values())),
-            "lockstep:image_encoder_hits": ("Image lookups served by the encoder cache.",
-                                            lambda: sum(h for _, h in self._encoder.values())),
         }
+        if tm.image_inputs is not None:  # a model that reads images; a text server shows none
+            gauges.update({  # running totals, summed over replicas
+                "lockstep:image_encoder_runs": ("Images the vision tower encoded.",
+                                                lambda: sum(r for r, _ in self._encoder.values())),
+                "lockstep:image_encoder_hits": ("Image lookups served by the encoder cache.",
+                                                lambda: sum(h for _, h in self._encoder.values())),
+            })
         ranks = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, names + list(ranks), registry=reg

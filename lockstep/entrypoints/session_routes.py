@@ -47,7 +47,9 @@ async def open_session(body: OpenSessionReqInput, state: State) -> Response:
     return json_response(sid)
 
 
-@router.post("/close_session")
+# SGLang answers an empty 200; the schema says so (no JSON body to parse).
+@router.post("/close_session", response_class=Response,
+             responses={200: {"description": "closed; no body", "content": None}})
 async def close_session(body: CloseSessionReqInput, state: State) -> Response:
     try:
         state.tm.sessions.close(body.session_id)
