@@ -152,6 +152,10 @@ class TokenizerManager:
         # What the model serves (model_loader.pooling.model_kind): "generate", "embed" or "score";
         # set at launch. A request of another kind is a 400 (check_kind).
         self.kind = "generate"
+        # The model's image handling (None: it reads no images), and the shared-memory segments
+        # of requests in flight, each freed once its request has ended at the scheduler.
+        self.image_inputs: ImageInputs | None = None
+        self.image_segments = ImageSegments()
 
     def check_kind(self, wanted: str, route: str) -> None:
         """A 400 when this server's model does not serve `wanted` (lockstep.entrypoints.embedding_routes)."""
@@ -163,10 +167,6 @@ class TokenizerManager:
                 "embed": "start a server with an embedding model (--is-embedding)",
                 "score": "start a server with a cross-encoder reranker model"}[wanted]
         raise RequestError(f"{route}: this server's model {serves}; {hint}")
-        # The model's image handling (None: it reads no images), and the shared-memory segments
-        # of requests in flight, each freed once its request has ended at the scheduler.
-        self.image_inputs: ImageInputs | None = None
-        self.image_segments = ImageSegments()
 
     def close(self) -> None:
         """Release the sockets; the output loop then ends by itself (ContextTerminated)."""
