@@ -2,7 +2,7 @@
 the tiny Gemma 3 vision model (lockstep.testing.tiny_vision): the tiny tokenizer plus Idefics3's
 image tokens (<fake_token_around_image>, <image>, <end_of_utterance>, <global-img>, <row_r_col_c>),
 a Llama text model, a 32x32-pixel tile tower of 4x4 patches shuffled by 2 to 16 tokens a tile, and
-a preprocessor config whose images become 2x2, 2x1 or 1x2 tiles plus the global view (longest
+SmolVLM's chat template, and a preprocessor config whose images become 2x2, 2x1 or 1x2 tiles plus the global view (longest
 edge 64), so lockstep and HF transformers read the same directory. `hf_idefics3_inputs` is the
 oracle's side: HF's Idefics3Processor output for a prompt and its images."""
 
@@ -40,7 +40,14 @@ IMAGE_ID = TOKENIZER_VOCAB_SIZE + 1
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE + len(ADDED)
 TILE, PATCH, SCALE = 32, 4, 2
 TOKENS_PER_TILE = (TILE // PATCH) ** 2 // SCALE**2
-IDEFICS3_VERSION = "v1"
+IDEFICS3_VERSION = "v2"
+# SmolVLM-256M/500M-Instruct's own chat template: it reads message content only as typed parts
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
 
 def tiny_idefics3_config() -> Any:
@@ -74,6 +81,7 @@ def _build(out: Path, seed: int) -> None:
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir()))
     tok.add_tokens(ADDED, special_tokens=True)
     assert tok.convert_tokens_to_ids(IMAGE) == IMAGE_ID and len(tok) == VOCAB_SIZE
+    tok.chat_template = SMOLVLM_CHAT_TEMPLATE
     tok.save_pretrained(str(out))
     Idefics3ImageProcessorPil(max_image_size={"longest_edge": TILE},
                               size={"longest_edge": 2 * TILE}).save_pretrained(str(out))
