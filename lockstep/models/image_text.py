@@ -62,8 +62,12 @@ class ImageTextModel(nn.Module):
         # rows are embedded as token 0, then replaced by the image's features.
         ids = fb.input_ids
         h = self.embed(torch.where(ids < self.cfg.vocab_size, ids, 0))  # type: ignore[attr-defined]
+        feats: dict[str, torch.Tensor] = {}  # one lookup per image a pass, however many runs it has
         for r in fb.images:
-            h[r.row:r.row + r.count] = self.image_features(r.image)[r.first:r.first + r.count].to(h.dtype)
+            f = feats.get(r.image.digest)
+            if f is None:
+                f = feats[r.image.digest] = self.image_features(r.image)
+            h[r.row:r.row + r.count] = f[r.first:r.first + r.count].to(h.dtype)
         return h
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> set[str]:

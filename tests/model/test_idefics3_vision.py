@@ -145,3 +145,34 @@ def test_navit_position_ids_are_hfs():
         mask = torch.ones(1, rows, cols, dtype=torch.bool)
         hf = emb(torch.zeros(1, 3, rows * 2, cols * 2), mask)[0, :, 0].long()
         assert navit_position_ids(rows, cols, side).tolist() == hf.tolist()
+
+
+def test_encoder_cache_and_prefix_sharing_by_hash(model_dir, inputs, tok, held):
+    """The same image again: the prompt from the prefix tree, the tower not run again; another
+    image of the same tiling shares the text and the first tile's row/col tokens before its first
+    image token, not the image."""
+    prompt = "<image> describe the cat in a few words"
+    same1 = prepare(inputs, tok, prompt, [random_image(7)], held)
+    same2 = prepare(inputs, tok, prompt, [random_image(7)], held)
+    other = prepare(inputs, tok, prompt, [random_image(8)], held)
+    assert same1.input_ids == same2.input_ids != other.input_ids
+    sched = make_scheduler(str(model_dir))
+    stats = sched.worker.runner.model.encoder_cache.stats
+    first = run_to_completion(sched, [req("a", same1)])["a"]
+    again = run_to_completion(sched, [req("b", same2)])["b"]
+    assert again.cached_tokens == len(same2.input_ids) - 1 and again.output_ids == first.output_ids
+    assert (stats.runs, stats.hits) == (1, 0)
+    diff = run_to_completion(sched, [req("c", other)])["c"]
+    assert diff.cached_tokens == other.images[0].offset and stats.runs == 2
+
+
+def test_places_and_counts(inputs, tok, hf_model, model_dir):
+    from lockstep.multimodal.images import ImageError
+
+    url = data_url(random_image(3))
+    with pytest.raises(ImageError, match="1 image places .* for 2 images"):
+        inputs.prepare(tok("one <image> only").input_ids, [url, url])
+    # ids already holding HF's expanded tiles are refused by name, not taken as many images
+    expanded = hf_idefics3_inputs(model_dir, "x <image>", [random_image(3)])["input_ids"][0].tolist()
+    with pytest.raises(ImageError, match=f"a run of {TOKENS_PER_TILE} image tokens"):
+        inputs.prepare(expanded, [url])
