@@ -29,6 +29,7 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 from lockstep.configs.vision_config import VisionConfig
 from lockstep.messages import TokenizedGenerateReq
 from lockstep.multimodal.images import ImageLimits
+from lockstep.multimodal.layouts import Gemma3Layout
 from lockstep.multimodal.processing import ImageInputs
 from lockstep.multimodal.shm import read_pixels
 from lockstep.sampling_params import SamplingParams
@@ -95,9 +96,10 @@ def main() -> None:
     url = data_url(img)
     model_dir = make_tiny_vision_model()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    vision = VisionConfig(1152, 4304, 27, 16, a.image_size, 14, 1e-6, "gelu_pytorch_tanh", 256, 513, 512, 514)
+    vision = VisionConfig("gemma3", 1152, 4304, 27, 16, a.image_size, 14, 1e-6, "gelu_pytorch_tanh",
+                          256, 513, 512, 514)
     proc = Gemma3ImageProcessorPil(size={"height": a.image_size, "width": a.image_size})
-    inputs = ImageInputs(vision, proc, tok, ImageLimits(max_bytes=64 << 20))
+    inputs = ImageInputs(vision, Gemma3Layout(vision, proc, tok), ImageLimits(max_bytes=64 << 20))
     ids = tok(inputs.expand_text("<start_of_image> What is in this picture?")).input_ids
 
     t_prepare, prepared = timed(lambda: inputs.prepare(ids, [url]), 1)

@@ -59,14 +59,17 @@ class ModelConfig:
 
     @property
     def model_key(self) -> str:
-        """The model table's key (lockstep.models.registry): the arch, "+vision" with images."""
-        return self.arch + ("+vision" if self.vision else "")
+        """The model table's key (lockstep.models.registry): the arch; a model that reads images,
+        its vision family + "+vision" (Idefics3's text model is a Llama: the family names it)."""
+        return f"{self.vision.family}+vision" if self.vision else self.arch
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         vision = VisionConfig.from_hf(cfg)
         if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
             cfg = _gemma3_text_config(cfg["text_config"])
+        elif cfg.get("model_type") == "idefics3":
+            cfg = _idefics3_text_config(cfg)
         model_type = cfg.get("model_type", "")
         if model_type not in ARCH_BY_MODEL_TYPE:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: "
@@ -107,6 +110,18 @@ def _gemma3_text_config(text: dict[str, Any]) -> dict[str, Any]:
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(**text).to_dict()
+
+
+def _idefics3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Idefics3's (SmolVLM's) Llama text_config with transformers' defaults filled in (its config
+    class knows them: Idefics3Config's text default has rms_norm_eps 1e-5), and the top level's
+    tie_word_embeddings, which is the one HF's model ties by."""
+    from transformers import Idefics3Config
+
+    full = Idefics3Config(**{k: v for k, v in cfg.items() if k != "model_type"})
+    text = full.text_config.to_dict()
+    text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    return text
 
 
 def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:

@@ -259,6 +259,10 @@ class TokenizerManager:
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in use")
+        images: list[ImageRef] = []
+        if req.image_data:  # decoded, preprocessed, hashed and shared off the event loop; first,
+            # as an image's tokens (Idefics3's tiles) may lengthen the prompt the checks below see
+            ids, images = await self._share_images(rid, ids, req)
         session = None
         if req.session_params is not None:  # the session's earlier turn, then this one
             try:
@@ -273,10 +277,8 @@ class TokenizerManager:
         except RequestError:
             if session is not None:
                 self.sessions.end(session, rid, None, None)
+            self.image_segments.release(rid)  # never sent: no rank reads them
             raise
-        images: list[ImageRef] = []
-        if req.image_data:  # decoded, preprocessed, hashed and shared off the event loop
-            ids, images = await self._share_images(rid, ids, req)
         lp, top = req.return_logprob, bool(req.return_logprob and req.top_logprobs_num)
         state = ReqState(GenerateOutput(
             rid, "", [], "", [], len(ids), 0, 0, None, 0.0,

@@ -1,7 +1,8 @@
-"""SigLIP's vision tower (Gemma 3's image encoder) on lockstep's layers: patch embedding, encoder
-layers of bidirectional attention (q/k/v column-parallel over heads, the out projection row-
-parallel, as the text model's) and a GELU MLP, LayerNorms, a final LayerNorm. One image at a time,
-so an image's features never depend on what it is batched with."""
+"""SigLIP's vision tower (Gemma 3's image encoder, and Idefics3's with NaViT position ids) on
+lockstep's layers: patch embedding, encoder layers of bidirectional attention (q/k/v column-parallel
+over heads, the out projection row-parallel, as the text model's) and a GELU MLP, LayerNorms, a
+final LayerNorm. One image at a time, so an image's features never depend on what it is batched
+with."""
 
 from __future__ import annotations
 
@@ -89,11 +90,13 @@ class SiglipEmbeddings(nn.Module):
         self.position_embedding = nn.Module()
         self.position_embedding.weight = replicated((cfg.patches_per_side**2, cfg.hidden_size), dtype)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels: [3, H, W] -> [patches, hidden]"""
+    def forward(self, pixels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """pixels: [3, H, W] -> [patches, hidden]; position_ids: each patch's row of the position
+        table (None: the whole table in order, for the image size the tower was trained at)."""
         w = self.patch_embedding.weight
         x = F.conv2d(pixels[None].to(w.dtype), w, self.patch_embedding.bias, stride=self.patch)
-        return x.flatten(2)[0].transpose(0, 1) + self.position_embedding.weight
+        table = self.position_embedding.weight
+        return x.flatten(2)[0].transpose(0, 1) + (table if position_ids is None else table[position_ids])
 
 
 class SiglipVisionTower(nn.Module):
@@ -104,8 +107,8 @@ class SiglipVisionTower(nn.Module):
         self.encoder.layers = nn.ModuleList(SiglipEncoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
         self.post_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        h = self.embeddings(pixels)
+    def forward(self, pixels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embeddings(pixels, position_ids)
         for layer in self.encoder.layers:
             h = layer(h)
         return self.post_layernorm(h)

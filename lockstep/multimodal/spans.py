@@ -1,7 +1,8 @@
 """Where a request's images fall in a step's tokens: which image tokens a pass computes (and at
-which rows of the batch), how far each image row attends (an image's tokens see each other, as
-Gemma 3 was trained: HF's bidirectional block mask), and where a prefill chunk may end (never
-inside an image, whose rows need the whole image's keys in the same pass)."""
+which rows of the batch), how far each image row attends (a bidirectional image's tokens see each
+other, as Gemma 3 was trained: HF's block mask; Idefics3's attend causally, like text), and where
+a prefill chunk may end (never inside a run of image tokens, whose rows may need the whole run's
+keys in the same pass)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from lockstep.multimodal.refs import ImageRef, pad_id
 
 @dataclass(frozen=True)
 class ImageRows:
-    """Image tokens [first, first + count) of `image`, computed at batch rows [row, row + count)."""
+    """Feature rows [first, first + count) of `image`, computed at batch rows [row, row + count)."""
 
     image: ImageRef
     first: int
@@ -24,14 +25,15 @@ class ImageRows:
 def rows_in_pass(images: Sequence[ImageRef], start: int, end: int, row0: int
                  ) -> tuple[list[ImageRows], list[tuple[int, int, int]]]:
     """A request computing positions [start, end) at batch rows from row0: its image rows, and
-    (first row, row count, keys seen) runs for the attention: every row of an image sees the
-    keys up to the image's end."""
+    (first row, row count, keys seen) runs for the attention: every row of a bidirectional image
+    sees the keys up to the image's end."""
     rows, floors = [], []
     for im in images:
         lo, hi = max(im.offset, start), min(im.end, end)
         if lo < hi:
-            rows.append(ImageRows(im, lo - im.offset, hi - lo, row0 + lo - start))
-            floors.append((row0 + lo - start, hi - lo, im.end))
+            rows.append(ImageRows(im, im.feature_offset + lo - im.offset, hi - lo, row0 + lo - start))
+            if im.bidirectional:
+                floors.append((row0 + lo - start, hi - lo, im.end))
     return rows, floors
 
 

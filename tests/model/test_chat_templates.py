@@ -13,7 +13,9 @@ from lockstep.entrypoints.openai.chat_templates import (
     ChatTemplateError,
     render_chat,
     resolve_chat_template,
+    wants_content_parts,
 )
+from lockstep.testing.tiny_idefics3 import SMOLVLM_CHAT_TEMPLATE
 from lockstep.testing.tiny_models import make_tiny_model
 
 
@@ -155,3 +157,13 @@ def test_missing_template_file_gives_clear_error(tmp_path):
     empty.write_text("  \n")
     with pytest.raises(ChatTemplateError, match="holds no template"):
         resolve_chat_template(str(empty), None, "gemma3", [])
+
+
+def test_content_parts_only_for_templates_that_drop_string_content():
+    """SmolVLM's template reads only typed parts (given a string it renders the message empty);
+    templates that take strings, or both (Gemma's), keep getting strings."""
+    assert wants_content_parts(_tok(), SMOLVLM_CHAT_TEMPLATE)
+    both = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+            "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}")
+    for template in (both, *BUILTIN_CHAT_TEMPLATES.values()):
+        assert not wants_content_parts(_tok(), template)

@@ -13,9 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lockstep.configs.model_config import ModelConfig
 from lockstep.multimodal.images import ImageError, ImageLimits
-from lockstep.multimodal.processing import ImageInputs, PreparedImages, image_processor
+from lockstep.multimodal.processing import ImageInputs, PreparedImages, image_inputs_for
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.tiny_vision import (
     data_url,
@@ -40,9 +39,10 @@ def tok(model_dir: Path) -> Any:
 @pytest.fixture(scope="module")
 def inputs(model_dir: Path, tok: Any) -> ImageInputs:
     """The front's image handling, as the server builds it for this directory."""
-    cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    assert cfg.vision is not None
-    return ImageInputs(cfg.vision, image_processor(model_dir, cfg.vision), tok, ImageLimits())
+    inputs = image_inputs_for(model_dir, json.loads((model_dir / "config.json").read_text()), tok,
+                              ImageLimits())
+    assert inputs is not None
+    return inputs
 
 
 @pytest.fixture(scope="module")

@@ -108,3 +108,19 @@ def render_chat(tokenizer: Any, template: str, messages: list[dict], *,
         raise ChatTemplateError(f"invalid chat template (line {e.lineno}): {e.message}") from e
     except jinja2.TemplateError as e:
         raise ChatTemplateError(str(e) or type(e).__name__) from e
+
+
+def wants_content_parts(tokenizer: Any, template: str) -> bool:
+    """Whether `template` reads a message's content only as a list of typed parts (SmolVLM's:
+    `for line in message['content']`, `line['type'] == 'text'`), dropping text given as a string:
+    found by rendering a probe message both ways, once per template."""
+    probe = "lockstep-content-probe"
+    for content in (probe, [{"type": "text", "text": probe}]):
+        try:
+            rendered = render_chat(tokenizer, template, [{"role": "user", "content": content}],
+                                   add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 - a probe: a template that fails on a form does not take it
+            continue
+        if probe in rendered:
+            return not isinstance(content, str)
+    return False

@@ -289,6 +289,14 @@ class ChatMessage(StrictModel):
             return "".join(p.text if isinstance(p, TextPart) else image_placeholder for p in self.content)
         return self.content or ""
 
+    def parts(self) -> list[dict[str, str]]:
+        """The content as typed parts, an image as {"type": "image"}: for a chat template that
+        iterates them (SmolVLM's), which writes the image's placeholder itself."""
+        if isinstance(self.content, list):
+            return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                    for p in self.content]
+        return [{"type": "text", "text": self.content}] if self.content else []
+
 
 class ChatCompletionRequest(_OpenAIRequest):
     _sglang_fields = CHAT
@@ -322,11 +330,13 @@ class ChatCompletionRequest(_OpenAIRequest):
         limit = self.max_completion_tokens
         return limit if limit is not None else self.max_tokens
 
-    def messages_as_dicts(self, image_placeholder: str = "") -> list[dict[str, Any]]:
+    def messages_as_dicts(self, image_placeholder: str = "", parts: bool = False) -> list[dict[str, Any]]:
         """Messages for a chat template: content flattened to text (images as the model's
-        placeholder), the other fields kept when given."""
+        placeholder), or as typed parts for a template that reads only those; the other fields
+        kept when given."""
         return [{**m.model_dump(exclude_none=True, include={"name", "tool_calls", "tool_call_id"}),
-                 "role": m.role, "content": m.text(image_placeholder)} for m in self.messages]
+                 "role": m.role, "content": m.parts() if parts else m.text(image_placeholder)}
+                for m in self.messages]
 
     def image_urls(self) -> list[str]:
         """Every image_url part's URL, in message and part order (the prompt's image order)."""

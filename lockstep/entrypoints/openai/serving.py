@@ -24,6 +24,7 @@ from lockstep.entrypoints.openai.chat_templates import (
     render_chat,
     renderer_arguments,
     resolve_chat_template,
+    wants_content_parts,
 )
 from lockstep.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -145,6 +146,10 @@ class OpenAIServing:
         own = info.get("chat_template") or getattr(tm.tokenizer, "chat_template", None)
         self.chat_template = resolve_chat_template(
             args.chat_template, own if isinstance(own, str) else None, model_type, architectures)
+        # A template that reads content only as typed parts (SmolVLM's) gets them: as text, the
+        # messages would render empty.
+        self.content_parts = (self.chat_template is not None
+                              and wants_content_parts(tm.tokenizer, self.chat_template))
         self.tool_call_parser = (args.tool_call_parser
                                  or default_parser_name(model_type, architectures))
         self.reasoning = reasoning_format(args.reasoning_parser) if args.reasoning_parser else None
@@ -198,7 +203,8 @@ class OpenAIServing:
                 raise RequestError(f"messages: image_url parts: the model {self.args.model_path!r} "
                                    "takes no images")
             placeholder = images.placeholder if images is not None else ""
-            messages = [template_message(i, m) for i, m in enumerate(req.messages_as_dicts(placeholder))]
+            messages = [template_message(i, m) for i, m in
+                        enumerate(req.messages_as_dicts(placeholder, self.content_parts))]
             prompt = render_chat(tok, self.chat_template, messages, extra_context=kwargs,
                                  add_generation_prompt=add_generation_prompt,
                                  tools=list(plan.tools) if plan is not None else None)
