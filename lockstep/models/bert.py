@@ -38,6 +38,7 @@ from lockstep.layers.linear import (
     _copy,
     _param,
 )
+from lockstep.layers.weight_loading import all_loaded, load_param
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 
 # checkpoint name -> (our name, q/k/v shard) for the fused projection; the rest map one to one
@@ -191,17 +192,9 @@ class BertModel(nn.Module):
                 if name.startswith(("pooler", "embeddings.position_ids", "cls.")):
                     continue  # an embedding model's unused pooler / MLM head
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            if isinstance(tensor, torch.Tensor):
-                tensor = tensor.to(param.dtype)
-            with torch.no_grad():
-                loader = param.weight_loader  # type: ignore[attr-defined]
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            load_param(params[name], tensor, shard)
             loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise KeyError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
-        return loaded
+        return all_loaded(params, loaded)
 
 
 class _Linear(nn.Module):

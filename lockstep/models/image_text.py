@@ -16,6 +16,7 @@ from lockstep.configs.model_config import ModelConfig
 from lockstep.distributed.parallel_state import NO_PIPELINE, ParallelGroup, PipelineGroup
 from lockstep.forward_batch import ForwardBatch
 from lockstep.layers.block_weight import BlockWeight
+from lockstep.layers.weight_loading import all_loaded, load_param
 from lockstep.multimodal.encoder_cache import EncoderCache
 from lockstep.multimodal.refs import ImageRef
 from lockstep.multimodal.shm import read_pixels
@@ -102,13 +103,6 @@ class ImageTextModel(nn.Module):
                     name, shard = name.replace(f".{proj}_proj.", ".qkv_proj."), proj
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            with torch.no_grad():
-                tensor = tensor.to(param.dtype)
-                loader = param.weight_loader  # type: ignore[attr-defined]
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            load_param(params[name], tensor, shard)
             loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise KeyError(f"checkpoint is missing vision tensors: {sorted(missing)[:8]}")
-        return loaded
+        return all_loaded(params, loaded, "vision tensors")

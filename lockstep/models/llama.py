@@ -23,6 +23,7 @@ from lockstep.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lockstep.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from lockstep.layers.norm import RMSNorm, add_norm
 from lockstep.layers.rotary import RotaryEmbedding
+from lockstep.layers.weight_loading import all_loaded, load_param
 from lockstep.mem_cache.memory_pool import TokenToKVPool
 from lockstep.models import one_call
 
@@ -204,14 +205,6 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            loader = param.weight_loader  # type: ignore[attr-defined]
-            if isinstance(tensor, torch.Tensor):
-                tensor = tensor.to(param.dtype)
-            with torch.no_grad():
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            load_param(params[name], tensor, shard)
             loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise KeyError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
-        return loaded
+        return all_loaded(params, loaded)

@@ -9,7 +9,6 @@ oracle's side: HF's Idefics3Processor output for a prompt and its images."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,8 @@ from lockstep.testing.tiny_models import (
     PAD_ID,
     TINY_VERSION,
     TOKENIZER_VOCAB_SIZE,
-    _publish,
-    tiny_cache_dir,
+    built_tiny_dir,
+    mark_fast_tokenizer,
     tiny_tokenizer_dir,
 )
 
@@ -87,20 +86,12 @@ def _build(out: Path, seed: int) -> None:
                               size={"longest_edge": 2 * TILE}).save_pretrained(str(out))
     (out / "processor_config.json").write_text(json.dumps(
         {"processor_class": "Idefics3Processor", "image_seq_len": TOKENS_PER_TILE}, indent=2) + "\n")
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # as tiny_models writes it
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    mark_fast_tokenizer(out)
 
 
 def make_tiny_idefics3_model(seed: int = 0, out_dir: Path | None = None) -> Path:
     """The tiny Idefics3 directory (cached, or written into `out_dir`)."""
-    if out_dir is not None:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        Path(out_dir).mkdir(parents=True)
-        _build(Path(out_dir), seed)
-        return Path(out_dir)
-    name = f"idefics3-s{seed}-{TINY_VERSION}-{IDEFICS3_VERSION}"
-    return _publish(tiny_cache_dir() / name, lambda p: _build(p, seed))
+    return built_tiny_dir(f"idefics3-s{seed}-{TINY_VERSION}-{IDEFICS3_VERSION}", lambda p: _build(p, seed), out_dir)
 
 
 def hf_idefics3_processor(model_dir: Path) -> Any:

@@ -81,6 +81,24 @@ def tiny_cache_dir(cache_root: Path | None = None) -> Path:
     return Path(cache_root) / "tiny" if cache_root else cache_dir("tiny")
 
 
+def built_tiny_dir(name: str, build: Callable[[Path], None], out_dir: Path | None = None) -> Path:
+    """A tiny model directory: written fresh into `out_dir`, or built once into the cache as `name`."""
+    if out_dir is not None:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        Path(out_dir).mkdir(parents=True)
+        build(Path(out_dir))
+        return Path(out_dir)
+    return _publish(tiny_cache_dir() / name, build)
+
+
+def mark_fast_tokenizer(out: Path) -> None:
+    """Name the fast tokenizer class in tokenizer_config.json, as tiny_models writes it (transformers
+    5 writes "TokenizersBackend", which transformers 4 cannot resolve)."""
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def _publish(final: Path, build: Callable[[Path], None]) -> Path:
     """Build into a temp dir next to ``final`` and atomically rename it into place."""
     if final.is_dir():

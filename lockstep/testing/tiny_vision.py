@@ -6,8 +6,6 @@ is the oracle's side: HF's processor output for a prompt and its images."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,8 @@ from lockstep.testing.tiny_models import (
     ONE_D_NOISE,
     TINY_VERSION,
     _gemma3_tweak,
-    _publish,
-    tiny_cache_dir,
+    built_tiny_dir,
+    mark_fast_tokenizer,
     tiny_tokenizer_dir,
 )
 
@@ -73,20 +71,12 @@ def _build(out: Path, seed: int) -> None:
     assert tok.convert_tokens_to_ids([BOI, IMAGE, EOI]) == [512, 513, 514]
     tok.save_pretrained(str(out))
     Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(str(out))
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # as tiny_models writes it
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    mark_fast_tokenizer(out)
 
 
 def make_tiny_vision_model(seed: int = 0, out_dir: Path | None = None) -> Path:
     """The tiny Gemma 3 vision model directory (cached, or written into `out_dir`)."""
-    if out_dir is not None:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        Path(out_dir).mkdir(parents=True)
-        _build(Path(out_dir), seed)
-        return Path(out_dir)
-    name = f"gemma3-vision-s{seed}-{TINY_VERSION}-{VISION_VERSION}"
-    return _publish(tiny_cache_dir() / name, lambda p: _build(p, seed))
+    return built_tiny_dir(f"gemma3-vision-s{seed}-{TINY_VERSION}-{VISION_VERSION}", lambda p: _build(p, seed), out_dir)
 
 
 def hf_image_inputs(model_dir: Path, prompt: str, images: list[Any]) -> dict[str, torch.Tensor]:

@@ -5,16 +5,15 @@ tower once per distinct image; image tokens share prefix-tree entries only when 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-from lockstep.multimodal.images import ImageError, ImageLimits
-from lockstep.multimodal.processing import ImageInputs, PreparedImages, image_inputs_for
+from lockstep.multimodal.images import ImageError
+from lockstep.testing.image_oracle import NEW, prepare, req
+from lockstep.testing.image_oracle import hf_greedy as oracle_greedy
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.tiny_vision import (
     data_url,
@@ -23,26 +22,10 @@ from lockstep.testing.tiny_vision import (
     random_image,
 )
 
-NEW = 8
-
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     return make_tiny_vision_model()
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture(scope="module")
-def inputs(model_dir: Path, tok: Any) -> ImageInputs:
-    """The front's image handling, as the server builds it for this directory."""
-    inputs = image_inputs_for(model_dir, json.loads((model_dir / "config.json").read_text()), tok,
-                              ImageLimits())
-    assert inputs is not None
-    return inputs
 
 
 @pytest.fixture(scope="module")
@@ -52,36 +35,8 @@ def hf_model(model_dir: Path) -> Any:
     return Gemma3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
-@pytest.fixture
-def held() -> Any:
-    """Prepared images' shared-memory segments, unlinked after the test."""
-    segs: list[Any] = []
-    yield segs
-    for s in segs:
-        s.close()
-        s.unlink()
-
-
-def prepare(inputs: ImageInputs, tok: Any, prompt: str, images: list[Any], held: list[Any]) -> PreparedImages:
-    ids = tok(inputs.expand_text(prompt)).input_ids
-    p = inputs.prepare(ids, [data_url(im) for im in images])
-    held.extend(p.segments)
-    return p
-
-
-def req(rid: str, p: PreparedImages, **kw: Any) -> Any:
-    r = greedy_req(rid, p.input_ids, NEW, **kw)
-    r.images = p.images
-    return r
-
-
 def hf_greedy(hf_model: Any, model_dir: Path, prompt: str, images: list[Any]) -> tuple[list[int], list[float]]:
-    inp = hf_image_inputs(model_dir, prompt, images)
-    out = hf_model.generate(**inp, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                            min_new_tokens=NEW, output_scores=True, return_dict_in_generate=True)
-    ids = out.sequences[0, inp["input_ids"].shape[1]:].tolist()
-    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, ids)]
-    return ids, lps
+    return oracle_greedy(hf_model, hf_image_inputs(model_dir, prompt, images))
 
 
 CASES = [("<start_of_image> describe the cat", [0]),
