@@ -89,11 +89,13 @@ class ReplicaChange:
 class LoadLoraAdapterReq:
     lora_name: str
     lora_path: str
+    dp_rank: int | None = None  # one replica only (a replica added while serving); None: all
 
 
 @dataclass
 class UnloadLoraAdapterReq:
     lora_name: str
+    dp_rank: int | None = None
 
 
 @dataclass

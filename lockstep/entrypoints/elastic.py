@@ -19,8 +19,15 @@ import uuid
 from lockstep.core import FINISH_ABORT
 from lockstep.entrypoints.engine import READY_TIMEOUT_S, Launched, _wait_ready, replica_processes
 from lockstep.entrypoints.tokenizer_manager import RequestError, TokenizerManager
+from lockstep.lora.adapter import parse_lora_paths
 from lockstep.managers.scheduler_process import run_scheduler_process
-from lockstep.messages import ReplicaChange, TokenizedGenerateReq, encode
+from lockstep.messages import (
+    LoadLoraAdapterReq,
+    ReplicaChange,
+    TokenizedGenerateReq,
+    UnloadLoraAdapterReq,
+    encode,
+)
 from lockstep.sampling_params import SamplingParams
 from lockstep.utils.process import kill_tree
 
@@ -72,10 +79,23 @@ class ElasticReplicas:
             self.procs[dp_rank] = procs
             tm.replicas.append("warming")
             await self._tell("add", dp_rank, rports.scheduler_input_ipc)
+            await self._same_adapters(dp_rank)
             await self._warm(dp_rank)
             await self._tell("activate", dp_rank)
             tm.replicas[dp_rank] = "active"
             return dp_rank
+
+    async def _same_adapters(self, dp_rank: int) -> None:
+        """The new replica started with --lora-paths; load and unload what the others did since."""
+        tm = self.tm
+        started, now = parse_lora_paths(self.launched.args.lora_paths), dict(tm.lora_adapters)
+        changes: list[LoadLoraAdapterReq | UnloadLoraAdapterReq] = [
+            *(UnloadLoraAdapterReq(n, dp_rank=dp_rank) for n in started if started[n] != now.get(n)),
+            *(LoadLoraAdapterReq(n, p, dp_rank=dp_rank) for n, p in now.items() if started.get(n) != p)]
+        for msg in changes:
+            out = await tm.update_lora(msg)
+            if not out.success:
+                raise RequestError(f"replica {dp_rank}: {out.message}", status=500)
 
     async def _warm(self, dp_rank: int) -> None:
         """One short greedy generation on the new replica before it takes traffic."""

@@ -361,26 +361,31 @@ class TokenizerManager:
     async def abort(self, rid: str, reason: FINISH_ABORT = FINISH_ABORT()) -> None:
         await self.to_scheduler.send(encode(AbortReq(rid, reason)))
 
-    async def flush_cache(self) -> FlushCacheOut:
+    async def _control(self, msg: Any, replies: int, timeout: float) -> Any:
+        """Send a control message and await one reply per replica it reaches: the first refusal,
+        else the first reply (replies come back in the order they were awaited)."""
         self.start()
-        # Every data-parallel replica answers; the flush succeeds only if all of them did.
-        live = sum(s != "retired" for s in self.replicas)
-        futs = [asyncio.get_running_loop().create_future() for _ in range(live)]
-        self.control_waiters.extend(futs)
-        await self.to_scheduler.send(encode(FlushCacheReq()))
-        replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=60)
-        return next((r for r in replies if not r.success), replies[0])
-
-    async def update_lora(self, msg: LoadLoraAdapterReq | UnloadLoraAdapterReq) -> LoraUpdateOut:
-        """Load or unload an adapter on every replica (each rank of each does it as an input of
-        its step): the first refusal, else the success."""
-        self.start()
-        futs = [asyncio.get_running_loop().create_future() for _ in range(self.args.dp_size)]
+        futs = [asyncio.get_running_loop().create_future() for _ in range(replies)]
         self.control_waiters.extend(futs)
         await self.to_scheduler.send(encode(msg))
-        replies = await asyncio.wait_for(asyncio.gather(*futs), timeout=300)
-        out = next((r for r in replies if not r.success), replies[0])
-        self.lora_adapters = dict(out.adapters)
+        got = await asyncio.wait_for(asyncio.gather(*futs), timeout=timeout)
+        return next((r for r in got if not r.success), got[0])
+
+    def _live_replicas(self) -> int:
+        """Replicas a broadcast reaches (every one not yet retired)."""
+        return sum(s != "retired" for s in self.replicas)
+
+    async def flush_cache(self) -> FlushCacheOut:
+        """Every replica flushes; the flush succeeds only if all of them did."""
+        return await self._control(FlushCacheReq(), self._live_replicas(), timeout=60)
+
+    async def update_lora(self, msg: LoadLoraAdapterReq | UnloadLoraAdapterReq) -> LoraUpdateOut:
+        """Load or unload an adapter on every replica, or on `msg.dp_rank`'s alone (each rank of
+        each does it as an input of its step): the first refusal, else the success."""
+        out = await self._control(msg, 1 if msg.dp_rank is not None else self._live_replicas(),
+                                  timeout=300)
+        if msg.dp_rank is None:
+            self.lora_adapters = dict(out.adapters)
         return out
 
     async def _handle_loop(self) -> None:

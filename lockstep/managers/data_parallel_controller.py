@@ -198,6 +198,9 @@ def _route(msg: Any, dispatcher: Dispatcher, outs: list[zmq.Socket | None],
     elif isinstance(msg, AbortReq) and msg.rid in owner:
         if (sock := outs[owner[msg.rid]]) is not None:
             sock.send(encode(msg))
+    elif isinstance(msg, (LoadLoraAdapterReq, UnloadLoraAdapterReq)) and msg.dp_rank is not None:
+        if (sock := outs[msg.dp_rank]) is not None:
+            sock.send(encode(msg))
     elif isinstance(msg, (AbortReq, FlushCacheReq, LoadLoraAdapterReq, UnloadLoraAdapterReq)):
         for s in outs:
             if s is not None:

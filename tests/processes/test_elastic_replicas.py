@@ -112,3 +112,45 @@ def test_replicas_join_and_leave_under_a_steady_stream(model_dir: Path, tmp_path
         assert requests.post(srv.url + "/flush_cache", headers=AUTH).status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.server
+def test_a_new_replica_serves_the_adapters_the_others_have(model_dir: Path, tmp_path: Path) -> None:
+    """Adapters loaded and unloaded while serving are replayed onto a replica added later: it serves
+    the run-time adapter with replica 0's tokens, and has the unloaded one unloaded too."""
+    from lockstep.testing.lora_adapters import make_peft_adapter
+
+    a = make_peft_adapter(model_dir, tmp_path / "a", seed=31, rank=8)
+    b = make_peft_adapter(model_dir, tmp_path / "b", seed=32, rank=8)
+    srv = LiveServer("--model-path", str(model_dir), "--dp-size", "2", "--api-key", KEY,
+                     "--max-total-tokens", "4096", "--lora-paths", f"a={a}", "--max-lora-rank", "8",
+                     log_dir=tmp_path, startup_timeout=180)
+    try:
+        def gen(dp: int, adapter: str | None) -> requests.Response:
+            return requests.post(srv.url + "/generate", headers=AUTH, timeout=120, json={
+                "input_ids": [7, 8, 9, 10, 11], "lora_path": adapter, "routed_dp_rank": dp,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}})
+
+        r = requests.post(srv.url + "/load_lora_adapter", headers=AUTH, timeout=120,
+                          json={"lora_name": "b", "lora_path": str(b)})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        r = requests.post(srv.url + "/unload_lora_adapter", headers=AUTH, timeout=120,
+                          json={"lora_name": "a"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        r = requests.post(srv.url + "/admin/replicas", headers=AUTH, timeout=300)
+        assert r.status_code == 200 and r.json()["dp_rank"] == 2, r.text
+        want = gen(0, "b")
+        assert want.status_code == 200, want.text
+        got = gen(2, "b")
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == want.json()["output_ids"]
+        assert got.json()["output_ids"] != gen(2, None).json()["output_ids"]  # the adapter acts
+        # "a" came with --lora-paths and was unloaded: loading it again succeeds only if every
+        # replica, the new one included, has it unloaded (a name already loaded is refused)
+        r = requests.post(srv.url + "/load_lora_adapter", headers=AUTH, timeout=120,
+                          json={"lora_name": "a", "lora_path": str(a)})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert gen(2, "a").status_code == 200
+        assert srv.alive()
+    finally:
+        srv.stop()
