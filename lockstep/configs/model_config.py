@@ -8,7 +8,11 @@ from typing import Any
 from lockstep.configs.vision_config import VisionConfig
 
 ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "gemma3_text": "gemma3", "gemma3": "gemma3", "bert": "bert"}
+                      "gemma3_text": "gemma3", "gemma3": "gemma3", "bert": "bert",
+                      "roberta": "bert", "xlm-roberta": "bert"}
+# BERT-family types whose positions start past the padding id (RoBERTa's
+# create_position_ids_from_input_ids: padding_idx + 1 for the first token)
+POSITIONS_AFTER_PADDING = frozenset({"roberta", "xlm-roberta"})
 
 
 @dataclass(frozen=True)
@@ -51,11 +55,17 @@ class ModelConfig:
     type_vocab_size: int = 0  # BERT's segment (token type) embeddings
     num_labels: int = 0  # a sequence-classification head's outputs (a cross-encoder's score)
     sep_token_id: int | None = None  # BERT: tokens after the first separator are segment 1
+    position_offset: int = 0  # added to every position id (RoBERTa family: padding id + 1)
     vision: VisionConfig | None = None  # a model that reads images (lockstep.multimodal)
 
     @property
     def is_gemma(self) -> bool:
         return self.arch == "gemma3"
+
+    @property
+    def context_limit(self) -> int:
+        """The most positions a request may take: the position table less its offset."""
+        return self.max_position - self.position_offset
 
     @property
     def model_key(self) -> str:
@@ -100,7 +110,9 @@ class ModelConfig:
             attn_logit_softcapping=cfg.get("attn_logit_softcapping"), eos_token_ids=eos_ids,
             causal=arch != "bert", type_vocab_size=cfg.get("type_vocab_size", 0),
             num_labels=len(cfg.get("id2label") or {0: 0}) if classifier else 0,
-            sep_token_id=cfg.get("sep_token_id"), vision=vision)
+            sep_token_id=cfg.get("sep_token_id"), vision=vision,
+            position_offset=(int(cfg.get("pad_token_id", 1)) + 1
+                             if model_type in POSITIONS_AFTER_PADDING else 0))
 
 
 def _gemma3_text_config(text: dict[str, Any]) -> dict[str, Any]:

@@ -97,7 +97,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, cfg.dtype, self.weight_plan.target.int8_activations)
         self.model.eval()
         logger.info("weights loaded in %.1f s", time.perf_counter() - t0)
-        self.context_len = min(cfg.context_length or model_cfg.max_position, model_cfg.max_position)
+        self.context_len = min(cfg.context_length or model_cfg.context_limit, model_cfg.context_limit)
         attn = self.model.layers[self.model.start_layer].self_attn
         self.n_kv_local = attn.n_kv
         self.max_total_tokens = self._kv_budget()

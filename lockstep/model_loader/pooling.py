@@ -18,7 +18,7 @@ from typing import Any
 
 from lockstep.model_loader.layout import ModelLoadError
 
-ENCODERS = frozenset({"bert"})  # model_type values of bidirectional encoders
+ENCODERS = frozenset({"bert", "roberta", "xlm-roberta"})  # model_type values of bidirectional encoders
 POOLING_MODES = ("mean", "cls", "last")
 # 1_Pooling/config.json's flags, in the order sentence-transformers checks them
 _ST_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",

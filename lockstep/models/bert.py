@@ -49,6 +49,12 @@ _RENAMES = {".attention.self.query.": (".attention.qkv_proj.", "q"),
             ".attention.output.LayerNorm.": (".attention_norm.", None),
             ".output.LayerNorm.": (".output_norm.", None)}
 
+# a cross-encoder's head, [CLS] -> dense -> tanh -> scores: BERT's pooler + classifier and
+# RoBERTa's classifier.dense + classifier.out_proj are the same math under other names
+_HEADS = {f"{ckpt}.{w}": f"{ours}.{w}" for ckpt, ours in (
+    ("pooler.dense", "pooler_dense"), ("classifier.dense", "pooler_dense"),
+    ("classifier.out_proj", "classifier")) for w in ("weight", "bias")}
+
 
 def _activation(name: str):  # noqa: ANN202 - a torch elementwise function
     return {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -91,6 +97,7 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = _Table(max(1, cfg.type_vocab_size), cfg.hidden_size, dtype)
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)  # noqa: N815 - HF's name
         self.sep = cfg.sep_token_id
+        self.offset = cfg.position_offset
 
     def segments(self, fb: ForwardBatch) -> torch.Tensor:
         """1 for a token after its request's first separator, else 0 (the pair encoding)."""
@@ -104,7 +111,7 @@ class BertEmbeddings(nn.Module):
         return ((seen - before_request) > 0).to(torch.int64)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        x = (self.word_embeddings(fb.input_ids) + self.position_embeddings(fb.positions)
+        x = (self.word_embeddings(fb.input_ids) + self.position_embeddings(fb.positions + self.offset)
              + self.token_type_embeddings(self.segments(fb)))
         return self.LayerNorm(x)
 
@@ -179,9 +186,8 @@ class BertModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("bert.").replace("encoder.layer.", "layers.")
-            name = {"pooler.dense.weight": "pooler_dense.weight",
-                    "pooler.dense.bias": "pooler_dense.bias"}.get(name, name)
+            name = name.removeprefix("bert.").removeprefix("roberta.").replace("encoder.layer.", "layers.")
+            name = _HEADS.get(name, name)
             shard = None
             for ckpt, (ours, shard_id) in _RENAMES.items():
                 if ckpt in name:

@@ -17,25 +17,38 @@ from lockstep.testing.tiny_models import INIT_RANGE, ONE_D_NOISE, _publish, tiny
 
 TINY_ENCODER_VERSION = "v1"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-KINDS = ("embed-cls", "embed-mean", "rerank")
+# "xlmr-" kinds: XLM-RoBERTa (bge-m3, bge-reranker): positions past the padding id, one segment,
+# RoBERTa's classifier head (on the same WordPiece vocabulary: the model does not care)
+KINDS = ("embed-cls", "embed-mean", "rerank", "xlmr-embed-cls", "xlmr-rerank")
 
 
-def tiny_bert_config(kind: str):  # noqa: ANN201 - a transformers BertConfig
-    from transformers import BertConfig
+def _family(kind: str) -> tuple[str, str]:
+    """(transformers' model class, its sequence-classification class) of `kind`."""
+    return (("XLMRobertaModel", "XLMRobertaForSequenceClassification") if kind.startswith("xlmr-")
+            else ("BertModel", "BertForSequenceClassification"))
 
-    return BertConfig(
+
+def tiny_bert_config(kind: str):  # noqa: ANN201 - a transformers BertConfig / XLMRobertaConfig
+    import transformers
+
+    base, classifier = _family(kind)
+    xlmr = kind.startswith("xlmr-")
+    cls = transformers.XLMRobertaConfig if xlmr else transformers.BertConfig
+    return cls(
         vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, max_position_embeddings=512, type_vocab_size=2,
-        initializer_range=INIT_RANGE, num_labels=1, hidden_act="gelu",
-        architectures=["BertForSequenceClassification" if kind == "rerank" else "BertModel"])
+        intermediate_size=128, max_position_embeddings=514 if xlmr else 512,
+        type_vocab_size=1 if xlmr else 2, pad_token_id=0, initializer_range=INIT_RANGE,
+        num_labels=1, hidden_act="gelu",
+        architectures=[classifier if kind.endswith("rerank") else base])
 
 
 def tiny_hf_encoder(kind: str, seed: int = 0) -> torch.nn.Module:
     """The float32 transformers model of `kind` (KINDS), in memory."""
-    from transformers import BertForSequenceClassification, BertModel
+    import transformers
 
     torch.manual_seed(seed)
-    cls = BertForSequenceClassification if kind == "rerank" else BertModel
+    base, classifier = _family(kind)
+    cls = getattr(transformers, classifier if kind.endswith("rerank") else base)
     model = cls(tiny_bert_config(kind))
     gen = torch.Generator().manual_seed(seed + 1_000_003)
     with torch.no_grad():  # 1-D weights off their stock 1 / 0, so a dropped bias or norm shows
@@ -47,8 +60,8 @@ def tiny_hf_encoder(kind: str, seed: int = 0) -> torch.nn.Module:
 
 def make_tiny_encoder(kind: str, seed: int = 0) -> Path:
     """The HF directory of a tiny encoder of `kind`: "embed-cls" (a bare BertModel: [CLS],
-    normalized), "embed-mean" (a sentence-transformers directory: mean pooling, Normalize) or
-    "rerank" (a cross-encoder)."""
+    normalized), "embed-mean" (a sentence-transformers directory: mean pooling, Normalize),
+    "rerank" (a cross-encoder), or their XLM-RoBERTa forms "xlmr-embed-cls", "xlmr-rerank"."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: one of {KINDS}")
     from lockstep.model_loader import resolve_model

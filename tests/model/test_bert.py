@@ -17,7 +17,7 @@ from lockstep.model_loader.pooling import Pooling, pooling_for
 from lockstep.testing.embedding_oracle import embed_in_process, sentences
 from lockstep.testing.inproc import make_scheduler, packaged_tokenizer
 from lockstep.testing.tiers import marks
-from lockstep.testing.tiny_encoders import make_tiny_encoder, tiny_hf_encoder
+from lockstep.testing.tiny_encoders import KINDS, make_tiny_encoder, tiny_hf_encoder
 
 MINILM = "all-minilm-l6-v2"
 PAIRS = [("what is a panda?", "The giant panda is a bear species endemic to China."),
@@ -38,24 +38,27 @@ def _hf_reference(kind: str, encodings: list[dict]) -> torch.Tensor:
     rows = []
     with torch.no_grad():
         for enc in encodings:
+            if kind.startswith("xlmr-"):  # one segment: RoBERTa tokenizers give no token types
+                enc = {k: v for k, v in enc.items() if k != "token_type_ids"}
             out = hf(**{k: torch.tensor([v]) for k, v in enc.items()})
-            if kind == "rerank":
+            if kind.endswith("rerank"):
                 rows.append(out.logits[0])
             else:
                 h = out.last_hidden_state[0]
-                rows.append(F.normalize(h[0] if kind == "embed-cls" else h.mean(0), dim=-1))
+                rows.append(F.normalize(h[0] if kind.endswith("embed-cls") else h.mean(0), dim=-1))
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("kind", ["embed-cls", "embed-mean", "rerank"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_tiny_encoders_match_transformers(kind: str) -> None:
     """[CLS] and mean pooling with normalization, and a cross-encoder's score of (query, doc)
     pairs (whose second segment must get its own token-type embedding), as transformers computes
-    them, to float32 rounding."""
+    them, to float32 rounding; the same for XLM-RoBERTa (positions past the padding id, one
+    segment, RoBERTa's classifier head)."""
     path = make_tiny_encoder(kind)
     tok = _tokenizer(str(path))
     texts = sentences(12, seed=3)
-    encodings = ([dict(tok(q, d)) for q, d in PAIRS] if kind == "rerank"
+    encodings = ([dict(tok(q, d)) for q, d in PAIRS] if kind.endswith("rerank")
                  else [dict(tok(t)) for t in texts])
     ours = torch.tensor(embed_in_process(make_scheduler(path), [e["input_ids"] for e in encodings]))
     ref = _hf_reference(kind, encodings)
@@ -72,6 +75,7 @@ def test_pooling_read_from_the_files() -> None:
     assert pooling_for(minilm.model_dir, minilm.hf_config, False) == Pooling("mean", True)
     bare = make_tiny_encoder("embed-cls")
     assert pooling_for(bare, {"model_type": "bert"}, False) == Pooling("cls", True)
+    assert pooling_for(bare, {"model_type": "xlm-roberta"}, False) == Pooling("cls", True)
     assert pooling_for(bare, {"model_type": "bert", "architectures": ["BertForSequenceClassification"]},
                        False).kind == "score"
     assert pooling_for(Path("/nonexistent"), {"model_type": "llama"}, False) is None
