@@ -36,6 +36,10 @@ class AttentionMetadata:
     q_scatter: torch.Tensor | None = None
     max_q: int = 1
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # CPU, only where image rows see keys past their position: per sliding window, each row's first
+    # key and key count with the window counted back from the row's own position (HF's mask), not
+    # from its raised key count; the attention kernel then reads exactly that range.
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -70,7 +74,7 @@ class ForwardBatch:
         device = self.input_ids.device
         kv = req_to_token[self.req_pool_indices, :max_l]
         if not (grid if grid is not None else device.type != "cpu"):
-            self.attn = _cpu_row_metadata(kv, ext, pre, seq, max_l, self.image_key_floors)
+            self.attn = _cpu_row_metadata(kv, ext, pre, seq, max_l, self.image_key_floors, windows)
             return
         q_idx = torch.arange(max_q, device=device)
         k_idx = torch.arange(max_l, device=device)
@@ -106,11 +110,12 @@ def _row_floors(floors: list[tuple[int, int, int]], rows: int, device: torch.dev
 
 
 def _cpu_row_metadata(kv: torch.Tensor, ext: torch.Tensor, pre: torch.Tensor, seq: torch.Tensor,
-                      max_l: int, floors: list[tuple[int, int, int]]) -> AttentionMetadata:
+                      max_l: int, floors: list[tuple[int, int, int]],
+                      windows: set[int | None]) -> AttentionMetadata:
     """No masks and no padded grid on a CPU (building masks was a third of a decode step's set-up).
-    An image row sees its whole image: its key count is raised to the image's end (a sliding
-    window then ends there too, so past the window's length an image row's window starts up to
-    the image's length later than HF's: docs/images.md)."""
+    An image row sees its whole image: its key count is raised to the image's end. A sliding
+    window still starts from the row's own position, as HF's mask does (`windowed`); the kernel's
+    own window would count back from the raised count and start up to an image later."""
     device = kv.device
     kv_flat = kv[torch.arange(max_l, device=device)[None, :] < seq[:, None]]
     k_starts = torch.cumsum(seq, 0) - seq
@@ -119,9 +124,16 @@ def _cpu_row_metadata(kv: torch.Tensor, ext: torch.Tensor, pre: torch.Tensor, se
     row_of_token = torch.repeat_interleave(torch.arange(seq.numel(), device=device), ext)
     col_of_token = torch.arange(int(ext.sum()), device=device) - (torch.cumsum(ext, 0) - ext)[row_of_token]
     lens = pre[row_of_token] + col_of_token + 1
-    if floors:
-        lens = torch.maximum(lens, _row_floors(floors, lens.numel(), device))
-    return AttentionMetadata(kv_flat, k_starts[row_of_token], lens)
+    starts = k_starts[row_of_token]
+    if not floors:
+        return AttentionMetadata(kv_flat, starts, lens)
+    raised = torch.maximum(lens, _row_floors(floors, lens.numel(), device))
+    windowed = {}
+    for w in windows:
+        if w:
+            lo = (lens - w).clamp(min=0)  # the first key the window shows, from the row's position
+            windowed[w] = (starts + lo, raised - lo)
+    return AttentionMetadata(kv_flat, starts, raised, windowed=windowed)
 
 
 def micro_batch_ranges(extend_lens: list[int], n: int) -> list[tuple[int, int]]:

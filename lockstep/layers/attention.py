@@ -39,9 +39,11 @@ class PagedAttention(nn.Module):
         # Every query row alone, prefill rows as decode rows: the decode kernel, reading its keys in
         # place from the pool. So a position's numbers are the same bits whether it is decoded,
         # prefilled, prefilled over a cached prefix or in another chunk.
+        starts, lens, window = meta.row_kv_starts, meta.row_kv_lens, self.window
+        if window and window in meta.windowed:  # image rows: the window from each row's position
+            (starts, lens), window = meta.windowed[window], None
         return decode_attention(q, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id],
-                                meta.kv_flat, meta.row_kv_starts, meta.row_kv_lens, self.scaling,
-                                self.softcap, self.window)
+                                meta.kv_flat, starts, lens, self.scaling, self.softcap, window)
 
     def _batched(self, q: torch.Tensor, fb: ForwardBatch, meta: AttentionMetadata,
                  pool: TokenToKVPool) -> torch.Tensor:

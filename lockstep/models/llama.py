@@ -170,8 +170,13 @@ class LlamaForCausalLM(nn.Module):
         stages return every token's hidden state for the next stage."""
         h = self.embed_inputs(fb) if self.pp.is_first else hidden_in
         rope = {key: r.cos_sin(fb.positions, h.dtype) for key, r in self.rotary.items()}
+        # image rows' own windows (AttentionMetadata.windowed) are read by the modules' attention
+        windowed = fb.attn is not None and bool(fb.attn.windowed)
         for layer, p in zip(self.stage_layers, self.one_call_args, strict=True):
-            h = layer(h, fb, pool, rope) if p is None else one_call.forward(p, h, fb, pool, rope)
+            if p is None or (windowed and p.consts.window):
+                h = layer(h, fb, pool, rope)
+            else:
+                h = one_call.forward(p, h, fb, pool, rope)
         return self.norm(h[fb.logits_indices]) if self.pp.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,10 @@ def hf_greedy(hf_model: Any, model_dir: Path, prompt: str, images: list[Any]) ->
 
 CASES = [("<start_of_image> describe the cat", [0]),
          ("the first <start_of_image> and the second <start_of_image> differ how", [1, 2]),
-         ("same twice <start_of_image><start_of_image> then text", [3, 3])]
+         ("same twice <start_of_image><start_of_image> then text", [3, 3]),
+         # past the sliding window (32 in the tiny model): an image row's window starts from its
+         # own position, as HF's mask has it, not from its image's end
+         (" ".join(["a long preamble before the picture"] * 8) + " <start_of_image> so", [4])]
 
 
 @pytest.mark.parametrize("prompt,seeds", CASES)

@@ -1,8 +1,8 @@
 """Image rows see their whole image (Gemma 3's bidirectional block, HF's token_type_ids mask) on
 both attention paths, against attention written out with HF's mask (causal OR same image, AND the
 sliding window), with a prefix already cached and two requests of different lengths: the GPU
-path's padded-grid masks exactly; the CPU rows exactly on full layers, and on sliding-window
-layers everywhere but the image rows whose window HF starts earlier (docs/images.md)."""
+path's padded-grid masks and the CPU rows exactly, on full and on sliding-window layers (an image
+row's window counted back from its own position, not from its image's end)."""
 
 from __future__ import annotations
 
@@ -82,10 +82,10 @@ def test_image_rows_see_their_image_on_both_paths(window):
     grid = attn._batched(q, fb, fb.attn, pool)
     ref = _reference(q, fb, req_to_token, pool, window)
     torch.testing.assert_close(grid, ref, rtol=1e-5, atol=1e-5)
-    # CPU rows: request 0's image rows 2..5 are positions 5..8; with a window of 4, HF starts
-    # their window at p - 3 (>= 2), the CPU kernel at the image's end - 4 = 5: rows 2..4 differ.
-    exact = [r for r in range(rows.shape[0]) if window is None or r not in (2, 3, 4)]
-    torch.testing.assert_close(rows[exact], ref[exact], rtol=1e-5, atol=1e-5)
+    # CPU rows: request 0's image rows 2..5 are positions 5..8; with a window of 4 HF starts
+    # their window at p - 3, not at the image's end - 4 = 5 (what the kernel's own window, counted
+    # back from the raised key count, would give: rows 2..4 would differ)
+    torch.testing.assert_close(rows, ref, rtol=1e-5, atol=1e-5)
     fb.image_key_floors = []  # causal only: the image rows' numbers change
     fb.build_attention(req_to_token, {window})
     causal = attn(q, k, v, fb, pool)
