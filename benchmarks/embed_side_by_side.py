@@ -7,7 +7,7 @@ Prints one JSON line per (system, round) and a summary: sentences/s, tokens/s, t
 short query, and each system's agreement with sentence-transformers (min cosine, max difference).
 
     python benchmarks/embed_side_by_side.py --sentences 2000 --threads 2 --rounds 1
-        [--llama-server http://127.0.0.1:PORT]
+        [--llama-server http://127.0.0.1:PORT] [--quantization q8_0]
 
 Figures: docs/benchmarks.md, "Embeddings: all-MiniLM-L6-v2 against sentence-transformers and llama-server (2026-12-05)"."""
 
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' batch")
     ap.add_argument("--max-running-requests", type=int, default=64, help="lockstep's batch")
     ap.add_argument("--llama-server", default=None, help="URL of llama-server --embedding")
+    ap.add_argument("--quantization", default=None, help="lockstep's --quantization (e.g. q8_0)")
     ap.add_argument("--llama-batch", type=int, default=64, help="texts per llama-server call")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,7 +65,8 @@ def main() -> None:
     texts, ids = corpus(tok, args.sentences, args.min_tokens, args.max_tokens, seed=0)
     n_tokens = sum(map(len, ids))
     st = SentenceTransformer(str(resolve_model(MODEL).model_dir), device="cpu")
-    sched = make_scheduler(MODEL, max_running_requests=args.max_running_requests)
+    sched = make_scheduler(MODEL, max_running_requests=args.max_running_requests,
+                           **({"quantization": args.quantization} if args.quantization else {}))
     query_ids = tok(QUERY).input_ids
     calls = 0
 
