@@ -165,3 +165,19 @@ def test_decoder_embedding_is_the_last_token_of_transformers(arch: str) -> None:
                            for p in prompts])
     assert (ours - ref).abs().max().item() < 2e-5, (ours - ref).abs().max().item()
     assert embed_in_process(sched, prompts[:1], prefix="alone")[0] == ours[0].tolist()
+
+
+@pytest.mark.real_model
+def test_minilm_with_q8_0_stays_close_and_batch_invariant(minilm: tuple) -> None:
+    """--quantization q8_0 (Q8_0 weights, int8 activations: the fast option, docs/embeddings.md):
+    cosine >= 0.999 with sentence-transformers on 100 sentences, and a vector bitwise the same
+    alone and in a batch of 100."""
+    _, tok, st = minilm
+    sched = make_scheduler(MINILM, quantization="q8_0")
+    texts = sentences(100, seed=2)
+    prompts = [tok(t).input_ids for t in texts]
+    ours = torch.tensor(embed_in_process(sched, prompts))
+    cos = F.cosine_similarity(ours, st.encode(texts, convert_to_tensor=True, batch_size=32))
+    assert cos.min().item() >= 0.999, cos.min().item()
+    alone = [embed_in_process(sched, [p], prefix=f"q{i}-")[0] for i, p in enumerate(prompts[:3])]
+    assert torch.equal(torch.tensor(alone), ours[:3])
