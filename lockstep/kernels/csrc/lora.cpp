@@ -16,8 +16,10 @@
 //           (i + i+16, i + i+8, i + i+4, i + i+2, i + i+1)
 //   expand  d[n] = 0; d = d + b[s, j, n] * u[m R + j] for j = 0 .. ranks[s, m] - 1; then y[t, n] += d
 // Rows of one slot next to each other share each load of A and B (up to kRowTile rows): the reason the
-// scheduler orders a batch by slot (LoraManager.grouped). Threads split both phases into small items.
+// scheduler orders a batch by slot (LoraManager.grouped). Threads split both phases into small items
+// (which thread computes an item changes nothing in it).
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <type_traits>
 #include <vector>
@@ -154,8 +156,14 @@ void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, co
   float* yp = y.data_ptr<float>();
   float* up = u.data();
   const int64_t xs = x.stride(0), ys = y.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(shrink.size()), 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; ++w) {
+  const int64_t n_shrink = static_cast<int64_t>(shrink.size()), n_expand = static_cast<int64_t>(expand.size());
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n_expand));
+  // One parallel region for both phases, a barrier between them (the expand reads every shrink
+  // result): one fork per linear, not two, which one user's decode step feels (120 linears a step).
+#pragma omp parallel num_threads(threads) if (threads > 1 && !omp_in_parallel())
+  {
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < n_shrink; ++w) {
       const Item& it = shrink[w];
       const float* arows = ap + (it.slot * us + it.module * r_max) * k;
       float* urow = up + it.row0 * us + it.module * r_max;
@@ -163,9 +171,8 @@ void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, co
         shrink_rows<decltype(mt)::value>(xp + it.row0 * xs, xs, arows, k, urow, us, it.lo, it.hi);
       });
     }
-  });
-  at::parallel_for(0, static_cast<int64_t>(expand.size()), 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; ++w) {
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < n_expand; ++w) {
       const Item& it = expand[w];
       const float* urow = up + it.row0 * us + it.module * r_max;
       const int64_t r = rp[it.slot * m + it.module];
@@ -174,7 +181,7 @@ void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, co
                                          it.hi);
       });
     }
-  });
+  }
 }
 
 }  // namespace lockstep
