@@ -33,6 +33,7 @@ namespace {
 constexpr int64_t kRowTile = 4;   // rows of one slot sharing each weight load
 constexpr int64_t kShrinkRows = 8;  // A rows per shrink work item
 constexpr int64_t kExpandCols = 64;  // output columns per expand work item
+constexpr int64_t kPrefetchFloats = 2048;  // how far ahead A is fetched (8 KiB)
 
 // u[i * us + j] = A row j . x row i, for i < MT rows (stride xs) and j < NT rows of A (stride k)
 template <int MT, int NT>
@@ -43,6 +44,10 @@ inline void shrink_tile(const float* x, int64_t xs, const float* a, int64_t k, f
   for (int64_t c = 0; c < k; c += 32) {
     V w0[NT], w1[NT];
     UNROLL for (int j = 0; j < NT; ++j) {
+      // A streams from memory (8 adapters' slots do not stay in cache): fetch ahead, into the
+      // rows that follow (a slot's rows are contiguous)
+      _mm_prefetch(reinterpret_cast<const char*>(a + j * k + c + kPrefetchFloats), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a + j * k + c + kPrefetchFloats + 16), _MM_HINT_T0);
       w0[j] = vload(a + j * k + c);
       w1[j] = vload(a + j * k + c + 16);
     }
@@ -58,11 +63,18 @@ inline void shrink_tile(const float* x, int64_t xs, const float* a, int64_t k, f
     UNROLL for (int j = 0; j < NT; ++j) u[i * us + j] = reduce32(acc[i][j][0], acc[i][j][1]);
 }
 
-// u[i * us + j] for rows j of A [j0, j1)
+// u[i * us + j] for rows j of A [j0, j1): as many A rows at once as the accumulators fit in
+// registers (more rows in flight, more of memory's latency hidden: one row is a decode step's case)
 template <int MT>
 void shrink_rows(const float* x, int64_t xs, const float* a, int64_t k, float* u, int64_t us, int64_t j0,
                  int64_t j1) {
+#ifdef LOCKSTEP_AVX512
+  constexpr int kRows = MT == 1 ? 8 : MT == 2 ? 4 : 2;
+#else
+  constexpr int kRows = MT == 1 ? 4 : 2;
+#endif
   int64_t j = j0;
+  for (; j + kRows <= j1; j += kRows) shrink_tile<MT, kRows>(x, xs, a + j * k, k, u + j, us);
   for (; j + 2 <= j1; j += 2) shrink_tile<MT, 2>(x, xs, a + j * k, k, u + j, us);
   if (j < j1) shrink_tile<MT, 1>(x, xs, a + j * k, k, u + j, us);
 }
@@ -76,6 +88,8 @@ void expand_cols(const float* u, int64_t us, const float* b, int64_t bs, int64_t
     V acc[MT];
     UNROLL for (int i = 0; i < MT; ++i) acc[i] = vzero();
     for (int64_t j = 0; j < r; ++j) {
+      // the next columns of each B row this item reads (columns of a row are apart by its stride)
+      _mm_prefetch(reinterpret_cast<const char*>(b + j * bs + n + 2 * kExpandCols), _MM_HINT_T0);
       const V bv = vload(b + j * bs + n);
       UNROLL for (int i = 0; i < MT; ++i) acc[i] = vadd(acc[i], vmul(bv, vset1(u[i * us + j])));
     }
