@@ -33,6 +33,7 @@ from lockstep.kernels.ops import (
                                   linear_int8,
                                   linear_int8_parts,
                                   linear_parts,
+                                  lora_sgmv,
                                   qk_norm_rope,
                                   rms_norm,
                                   rotate,
@@ -42,4 +43,4 @@ from lockstep.kernels.reference import COMPILED_ACTS
 __all__ = ["COMPILED_ACTS", "GGML_BLOCKS", "GROUP", "INT8_QTYPES", "BlockType", "LayerConsts", "act_and_mul",
            "add_rms_norm", "argmax", "block_type", "compiled", "decode_attention", "decoder_layer", "dequantize",
            "embedding", "kernel_variant", "linear", "linear_bf16", "linear_int8", "linear_int8_parts", "linear_parts",
-           "qk_norm_rope", "quantize", "rms_norm", "rotate", "row_bytes", "unpack_for_int8"]
+           "lora_sgmv", "qk_norm_rope", "quantize", "rms_norm", "rotate", "row_bytes", "unpack_for_int8"]

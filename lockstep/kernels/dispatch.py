@@ -52,6 +52,7 @@ class Table:
     add_rms_norm: Kernel
     qk_norm_rope: Kernel
     act_and_mul: Kernel
+    lora_sgmv: Kernel  # LoRA adapters' products beside a linear, every slot's rows in one call
     # A whole decoder layer in one call (csrc/layer.cpp): the ops above in the modules' order, its
     # constants by name (layer_consts.LayerConsts)
     decoder_layer: Kernel
@@ -93,12 +94,12 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
     # lacks, or one it wants and is not given, is a TypeError naming it)
     built: weakref.WeakKeyDictionary[LayerConsts, Any] = weakref.WeakKeyDictionary()
 
-    def decoder_layer(h, c, cos, sin, k_buf, v_buf, loc, kv_slots, starts, lens):  # noqa: ANN001, ANN202
+    def decoder_layer(h, c, cos, sin, k_buf, v_buf, loc, kv_slots, starts, lens, lora_slots=None):  # noqa: ANN001, ANN202
         native = built.get(c)
         if native is None:
             native = built[c] = mod.LayerConsts(**c.named())
         return mod.decoder_layer(h=h, consts=native, cos=cos, sin=sin, k_buf=k_buf, v_buf=v_buf, loc=loc,
-                                 kv_slots=kv_slots, starts=starts, lens=lens)
+                                 kv_slots=kv_slots, starts=starts, lens=lens, lora_slots=lora_slots)
 
     ops: dict[str, Callable[..., Any]] = {
         "linear": lambda x, b, kind, k: mod.linear(x.contiguous(), b, kind.code, k),
@@ -111,6 +112,7 @@ def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]
         "add_rms_norm": add_rms_norm,
         "qk_norm_rope": mod.qk_norm_rope,
         "act_and_mul": mod.act_and_mul,
+        "lora_sgmv": mod.lora_sgmv,
         "decoder_layer": decoder_layer,
     }
     if variant == "avx2" or not missing_flags("int8_vnni"):
@@ -135,6 +137,9 @@ _TAKES: dict[str, Callable[..., bool]] = {
     "add_rms_norm": lambda h, x, wx, wy, eps: _rows(h, x),
     "qk_norm_rope": lambda qkv, n_q, n_kv, d, qw, kw, cos, sin, eps: _rows(qkv, cos, sin, dims=(1, 2, 3)),
     "act_and_mul": lambda g, act: _rows(g),
+    "lora_sgmv": lambda y, x, a, b, ranks, slots, splits: (
+        _rows(y, x, a, b, dims=(2, 3)) and x.shape[1] % GROUP == 0 and a.is_contiguous() and b.is_contiguous()
+        and ranks.device.type == "cpu" and slots.device.type == "cpu"),
     "decoder_layer": lambda h, *_: _rows(h),
 }
 

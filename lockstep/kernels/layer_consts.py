@@ -6,7 +6,7 @@ unknown name (tests/kernels/test_fused_kernels.py holds the two lists equal)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -36,6 +36,12 @@ class LayerConsts:
     softcap: float  # 0: none
     window: int  # 0: none
     act: str  # kernels.COMPILED_ACTS
+    # LoRA (kernels.lora_sgmv's operands), one per linear, or none where no linear has adapter slots;
+    # a linear without them: an empty tensor (lora/layers.LoraLinear keeps them, and fills them in place)
+    lora_a: list[torch.Tensor] = field(default_factory=list)
+    lora_b: list[torch.Tensor] = field(default_factory=list)
+    lora_ranks: list[torch.Tensor] = field(default_factory=list)
+    lora_splits: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.part_counts) != 4 or sum(self.part_counts) != len(self.weights):
@@ -43,6 +49,9 @@ class LayerConsts:
                              f"the {len(self.weights)} weights")
         if not (len(self.weights) == len(self.kinds) == len(self.block_types)):
             raise ValueError("one kind and block type per weight part")
+        lora = {len(self.lora_a), len(self.lora_b), len(self.lora_ranks), len(self.lora_splits)}
+        if len(lora) != 1 or lora.pop() not in (0, 4):
+            raise ValueError("LoRA operands: none, or one of each per linear")
         if unknown := set(self.kinds) - set(PART_KINDS):
             raise ValueError(f"part kinds {sorted(unknown)}: the one-call layer serves {PART_KINDS}")
 

@@ -155,12 +155,27 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return table().act_and_mul(gate_up, act)
 
 
+def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+              slots: torch.Tensor, splits: Sequence[int]) -> None:
+    """LoRA adapters' low-rank products beside one linear, every adapter's rows in one call (Punica's
+    SGMV): y[t] += B_s A_s x[t] in place for each row t of slot s = slots[t] >= 0 (-1: the base).
+    x [T, K], y [T, N]; the slots' weights stacked: a [S, M R, K] (module m's A in rows m R ..
+    m R + ranks[s, m]), b [S, R, N] (B transposed, module m's outputs in columns splits[m] ..
+    splits[m + 1], the scaling folded in); ranks int64 [S, M], slots int64 [T]. Each row's
+    numbers depend on that row alone (csrc/lora.cpp states the compiled order)."""
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or slots.shape != (x.shape[0],):
+        raise ValueError(f"lora_sgmv takes x [T, K], y [T, N], slots [T]; got {list(x.shape)}, "
+                         f"{list(y.shape)}, {list(slots.shape)}")
+    table().lora_sgmv(y, x, a, b, ranks, slots, splits)
+
+
 def decoder_layer(h: torch.Tensor, consts: LayerConsts, cos: torch.Tensor, sin: torch.Tensor,
                   k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, kv_slots: torch.Tensor,
-                  starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+                  starts: torch.Tensor, lens: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
     """A whole decoder layer of the float32 CPU path in one call (csrc/layer.cpp): the ops the
     model's modules run one by one, in their order, so the same bits. h [T, D] float32 rows; the
     layer's constants by name (`consts`, built once per layer: models/one_call.py); cos/sin [T,
     head_dim]; the layer's K/V buffers, where this step's K/V goes (loc) and each row's K/V slots
-    (kv_slots[starts[r] : starts[r] + lens[r]]) as `decode_attention` reads them."""
-    return table().decoder_layer(h, consts, cos, sin, k_buf, v_buf, loc, kv_slots, starts, lens)
+    (kv_slots[starts[r] : starts[r] + lens[r]]) as `decode_attention` reads them; each row's LoRA
+    slot (`lora_sgmv`'s, with the consts' lora_* operands), None where no row has an adapter."""
+    return table().decoder_layer(h, consts, cos, sin, k_buf, v_buf, loc, kv_slots, starts, lens, lora_slots)

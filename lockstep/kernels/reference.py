@@ -1,7 +1,8 @@
 """Every op's plain-torch reference: what serves where no compiled variant is loaded or the operands do not
 fit one (see dispatch.py), and what the tests hold each compiled version against. The block linears give
 the compiled numbers bitwise on the int8 path and up to float summation order on the exact one; the
-row-wise ops up to float rounding; argmax exactly.
+row-wise ops and LoRA's products up to float rounding (each row's bits still independent of the
+others); argmax exactly.
 """
 
 from __future__ import annotations
@@ -70,6 +71,30 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+def rowwise(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ wt [K, N], each row multiplied alone (a batched product of 1-row matrices, the
+    same small kernel for every row): a row's bits never depend on T, as torch's matmul's would
+    (it picks its blocking by the number of rows)."""
+    return torch.bmm(x.unsqueeze(1), wt.expand(x.shape[0], *wt.shape)).squeeze(1)
+
+
+def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+              slots: torch.Tensor, splits: Sequence[int]) -> None:
+    # slot by slot, module by module, each product row-wise (csrc/lora.cpp states the layout);
+    # index_add_ adds each row's delta once (the rows are distinct), so it is deterministic on GPUs too
+    r_max = b.shape[1]
+    present = slots[slots >= 0]
+    for s in sorted(set(present.tolist())):
+        rows = (slots == s).nonzero().squeeze(1)
+        xs = x[rows]
+        delta = torch.zeros(len(rows), y.shape[1], dtype=y.dtype, device=y.device)
+        for m, r in enumerate(ranks[s].tolist()):
+            if r:
+                u = rowwise(xs, a[s, m * r_max:m * r_max + r].T)
+                delta[:, splits[m]:splits[m + 1]] = rowwise(u, b[s, :r, splits[m]:splits[m + 1]])
+        y.index_add_(0, rows, delta)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -121,14 +146,17 @@ def _parts_matmul(x: torch.Tensor, c: LayerConsts, lo: int, hi: int, k: int,
 
 def decoder_layer(h: torch.Tensor, consts: LayerConsts, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
                   v_buf: torch.Tensor, loc: torch.Tensor, kv_slots: torch.Tensor, starts: torch.Tensor,
-                  lens: torch.Tensor) -> torch.Tensor:
+                  lens: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
     """csrc/layer.cpp step for step on the references above (the model's modules run the same ops)."""
     c = consts
     ends = [sum(c.part_counts[:i + 1]) for i in range(4)]
     starts_ = [0, *ends[:3]]
 
     def matmul(x: torch.Tensor, i: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _parts_matmul(x, c, starts_[i], ends[i], c.in_features[i], bias)
+        y = _parts_matmul(x, c, starts_[i], ends[i], c.in_features[i], bias)
+        if lora_slots is not None and c.lora_a and c.lora_a[i].numel():
+            lora_sgmv(y, x, c.lora_a[i], c.lora_b[i], c.lora_ranks[i], lora_slots, c.lora_splits[i])
+        return y
 
     qkv = matmul(rms_norm(h, c.norms[0], c.eps), 0, c.qkv_bias)
     qk_norm_rope(qkv, c.n_q, c.n_kv, c.head_dim, c.q_norm, c.k_norm, cos, sin, c.qk_eps)

@@ -1,14 +1,19 @@
 """The low-rank products beside each linear's base matmul (S-LoRA / Punica's shape): the base
-multiplies the whole batch once, in its blocks or floats, as the weight plan chose; then for each
-run of rows that belongs to one adapter, x A^T B^T (B scaled by PEFT's alpha / r) is added to those
-rows' outputs. Rows of the base model get nothing added, so their numbers are the base's.
+multiplies the whole batch once, in its blocks or floats, as the weight plan chose; then one call
+(kernels.lora_sgmv) adds x A^T B^T (B scaled by PEFT's alpha / r) to every adapter row's outputs,
+each row by its own slot's weights. Rows of the base model get nothing added, so their numbers are
+the base's.
 
-Batch invariance: torch's matmul picks its blocking by the number of rows, so a row's sum would
-depend on its neighbours. `rowwise` multiplies each row alone (a batched product of 1-row
-matrices, the same small kernel for every row), so a request's output is the same alone and in a
-batch that mixes adapters (tests/model/test_lora.py checks bitwise). On a CPU in float32 the
-compiled exact kernel does it (each output summed in a fixed order, kernels.linear), else a
-batched product of 1-row matrices.
+Each linear keeps its slots' weights stacked, so that one call indexes them: A [slots, modules x
+max rank, in] (a fused linear's modules, q/k/v or gate/up, share their input, so their A rows sit
+together and one shrink serves them), B transposed [slots, max rank, local outputs] (each module's
+B in its own output columns), and each slot's rank per module (0: the adapter leaves the module
+out, which then costs nothing). Like SGLang's LoRA memory pool, the slots are allocated at start
+(--max-loras-per-batch x --max-lora-rank).
+
+Batch invariance: each row's product is computed on its own in a fixed order (csrc/lora.cpp on a
+CPU in float32; elsewhere the reference's batched 1-row products), so a request's output is the
+same alone and in a batch that mixes adapters (tests/model/test_lora.py checks bitwise).
 
 Tensor parallelism: A is whole (each rank's linear sees every input column: column-parallel
 layers take x whole, row-parallel ones gather it first) and B keeps the output rows of this
@@ -16,14 +21,13 @@ rank's shard, the rows its base weight keeps, so the delta lands on the rank's o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lockstep import kernels
 from lockstep.forward_batch import ForwardBatch
-from lockstep.layers.block_weight import BlockWeight, block_matmul, float32_rows
 from lockstep.lora.adapter import LoraAdapter
 
 # our fused linear (its path in a decoder layer) -> the PEFT modules its outputs hold, in order
@@ -31,93 +35,49 @@ LINEARS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_pr
            "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
 
 
-def rowwise(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ wt [K, N], each row multiplied alone: its bits never depend on T."""
-    return torch.bmm(x.unsqueeze(1), wt.expand(x.shape[0], *wt.shape)).squeeze(1)
-
-
-Rows = slice | torch.Tensor  # a run of consecutive rows, or the rows' indices
-
-
 @dataclass
 class LoraBatch:
-    """This forward's adapter rows, shared by every LoraLinear of the model: per adapter slot
-    in the batch, its rows (wherever the scheduler placed its requests)."""
+    """This forward's adapter rows, shared by every LoraLinear of the model: each row's slot
+    (int64 [T], -1 for the base), or None when no row has an adapter."""
 
-    groups: list[tuple[int, Rows]] = field(default_factory=list)
-
-
-# A row-wise product's weight: float32 rows [N, K] for the exact kernel (kernels.linear: each
-# output summed in a fixed order, whatever the other rows), or W^T [K, N] for `rowwise`.
-Weight = BlockWeight | torch.Tensor
-
-
-def row_product(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x [T, K] times the weight, each row's bits independent of T."""
-    return block_matmul(x.contiguous(), w) if isinstance(w, BlockWeight) else rowwise(x, w)
-
-
-def _weight(w: torch.Tensor, like: torch.Tensor) -> Weight:
-    """[N, K] as the row-wise product reads it: float32 rows on a CPU whose exact kernel is
-    compiled (faster than torch's batched 1-row products), W^T elsewhere."""
-    n, k = w.shape
-    if (like.device.type == "cpu" and like.dtype == torch.float32 and kernels.compiled("linear")
-            and k % kernels.GROUP == 0):
-        return float32_rows(w.contiguous())
-    return w.T.contiguous().to(device=like.device, dtype=like.dtype)
-
-
-@dataclass(frozen=True)
-class _SlotWeights:
-    a: Weight  # every present module's A stacked: [sum of r (padded), K]
-    b: Weight  # each module's B in its columns and output rows (block diagonal): [local outputs, sum of r]
+    slots: torch.Tensor | None = None
 
 
 class LoraLinear:
     """One linear's adapters in the resident slots, and the product it adds to the base output."""
 
-    def __init__(self, subs: tuple[str, ...], rows: list[tuple[int, int]], batch: LoraBatch,
-                 n_slots: int) -> None:
+    def __init__(self, subs: tuple[str, ...], rows: list[tuple[int, int]], in_features: int,
+                 batch: LoraBatch, n_slots: int, max_rank: int, like: torch.Tensor) -> None:
         self.subs = subs
         self.rows = rows  # per module: the rows of its whole B this rank keeps
-        self.widths = [e - s for s, e in rows]
-        self.offsets = [sum(self.widths[:i]) for i in range(len(rows))]
+        widths = [e - s for s, e in rows]
+        self.splits = [sum(widths[:i]) for i in range(len(widths) + 1)]  # each module's output columns
         self.batch = batch
-        self.slots: list[_SlotWeights | None] = [None] * n_slots
+        self.max_rank = max_rank
+        dtype = like.dtype if like.is_floating_point() else torch.float32
+        self.a = torch.zeros(n_slots, len(subs) * max_rank, in_features, dtype=dtype, device=like.device)
+        self.b = torch.zeros(n_slots, max_rank, self.splits[-1], dtype=dtype, device=like.device)
+        self.ranks = torch.zeros(n_slots, len(subs), dtype=torch.int64)  # read on the host
 
-    def set_slot(self, slot: int, ab: list[tuple[torch.Tensor, torch.Tensor] | None],
-                 like: torch.Tensor) -> None:
-        """Slot `slot` holds these modules' (A, B) (None: not adapted), on `like`'s device/dtype."""
-        present = [(i, a, b) for i, pair in enumerate(ab) if pair is not None for a, b in [pair]]
-        if not present:
-            self.slots[slot] = None
-            return
-        # B block-diagonal: one product expands every module's rows into its own outputs (the
-        # zeros add nothing), modules the adapter leaves out get zeros; the rank is padded with
-        # zeros to whole groups of the exact kernel's 32 columns
-        r = sum(a.shape[0] for _, a, _ in present)
-        r_pad = -(-r // kernels.GROUP) * kernels.GROUP
-        a = torch.zeros(r_pad, present[0][1].shape[1])
-        b = torch.zeros(self.offsets[-1] + self.widths[-1], r_pad)
-        col = 0
-        for i, a_i, b_i in present:
-            start, end = self.rows[i]
-            a[col:col + a_i.shape[0]] = a_i
-            b[self.offsets[i]:self.offsets[i] + end - start, col:col + a_i.shape[0]] = b_i[start:end]
-            col += a_i.shape[0]
-        self.slots[slot] = _SlotWeights(_weight(a, like), _weight(b, like))
+    def set_slot(self, slot: int, ab: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Slot `slot` holds these modules' (A, B) (None: not adapted)."""
+        self.ranks[slot] = 0
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        r_max = self.max_rank
+        for m, pair in enumerate(ab):
+            if pair is None:
+                continue
+            a, b = pair
+            r, (start, end) = a.shape[0], self.rows[m]
+            self.a[slot, m * r_max:m * r_max + r] = a
+            self.b[slot, :r, self.splits[m]:self.splits[m + 1]] = b[start:end].T
+            self.ranks[slot, m] = r
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base's output for rows x) with each adapter row's low-rank product added."""
-        for slot, rows in self.batch.groups:
-            w = self.slots[slot]
-            if w is None:
-                continue
-            delta = row_product(row_product(x[rows], w.a), w.b)
-            if isinstance(rows, slice):
-                y[rows] += delta
-            else:
-                y.index_add_(0, rows, delta)
+        if self.batch.slots is not None:
+            kernels.lora_sgmv(y, x, self.a, self.b, self.ranks, self.batch.slots, self.splits)
         return y
 
 
@@ -137,37 +97,32 @@ def _rows(linear: nn.Module, subs: tuple[str, ...]) -> list[tuple[int, int]]:
 class LoraLayers:
     """Every adapted linear of a model (this rank's layers), the batch they read, and the slots."""
 
-    def __init__(self, model: nn.Module, targets: frozenset[str], n_slots: int) -> None:
+    def __init__(self, model: nn.Module, targets: frozenset[str], n_slots: int, max_rank: int) -> None:
         self.batch = LoraBatch()
         self.n_slots = n_slots
         self.linears: list[tuple[int, LoraLinear]] = []  # (layer index, its adapted linear)
+        like = next(model.parameters())
         for i, layer in enumerate(model.stage_layers):
             for path, subs in LINEARS.items():
                 if not targets & set(subs):
                     continue
                 linear = layer.get_submodule(path)
-                linear.lora = LoraLinear(subs, _rows(linear, subs), self.batch, n_slots)
+                linear.lora = LoraLinear(subs, _rows(linear, subs), linear.in_features, self.batch,
+                                         n_slots, max_rank, like)
                 self.linears.append((model.start_layer + i, linear.lora))
-        model.after_loading()  # adapted layers run their modules, not the one-call layer
-        self._like = next(model.parameters())
+        model.after_loading()  # the one-call layers take the adapter slots' weights
 
     def set_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
         """Make `adapter` resident in `slot` on every adapted linear (None: empty the slot)."""
         for layer, lin in self.linears:
             ab = [adapter.weights.get((layer, s)) if adapter else None for s in lin.subs]
-            lin.set_slot(slot, ab, self._like)
+            lin.set_slot(slot, ab)
 
     def prepare(self, fb: ForwardBatch) -> None:
-        """This forward's rows of each adapter, from each request's slot (-1: the base model):
-        a slice where they are consecutive, else their indices."""
-        rows: dict[int, list[int]] = {}
-        at = 0
-        for slot, n in zip(fb.lora_slots or [], fb.extend_lens.tolist()):
-            if slot >= 0:
-                rows.setdefault(slot, []).extend(range(at, at + n))
-            at += n
-        device = fb.input_ids.device
-        self.batch.groups = [
-            (slot, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r)
-             else torch.tensor(r, dtype=torch.int64, device=device))
-            for slot, r in sorted(rows.items()) if r]
+        """This forward's slot of each row, from each request's slot (-1: the base model)."""
+        slots = fb.lora_slots or []
+        if all(s < 0 for s in slots):
+            self.batch.slots = None
+            return
+        per_row = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), fb.extend_lens.cpu())
+        self.batch.slots = per_row.to(fb.input_ids.device)

@@ -7,6 +7,7 @@ take). The parts' kinds are the weight plan's (layers/weight_plan.py), read here
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +52,25 @@ class Plan:
     consts: LayerConsts
     rope_key: str
     layer_id: int  # its KV buffers in the pool
+    lora: Any = None  # the model's lora.layers.LoraBatch (each row's adapter slot), where it has adapters
+
+
+def _lora_fits(lora: Any, lin: nn.Module) -> bool:
+    """Whether the layer's kernel runs this linear's LoRA products (lora.layers.LoraLinear, None
+    where it has no adapter slots) as its module would: on the compiled lora_sgmv."""
+    return lora is None or (kernels.compiled("lora_sgmv") and lin.in_features % kernels.GROUP == 0
+                            and lora.a.dtype == torch.float32 and lora.a.device.type == "cpu")
+
+
+def _lora_consts(loras: list[Any]) -> dict[str, list]:
+    """LayerConsts' lora_* fields: none without adapter slots, else one per linear (empty: none)."""
+    if all(lo is None for lo in loras):
+        return {}
+    none = torch.empty(0)
+    return {"lora_a": [none if lo is None else lo.a for lo in loras],
+            "lora_b": [none if lo is None else lo.b for lo in loras],
+            "lora_ranks": [none if lo is None else lo.ranks for lo in loras],
+            "lora_splits": [[] if lo is None else lo.splits for lo in loras]}
 
 
 def plan(layer: nn.Module) -> Plan | None:
@@ -59,11 +79,11 @@ def plan(layer: nn.Module) -> Plan | None:
     mods = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if (not kernels.compiled("decoder_layer") or mlp.down_proj.tp.size != 1 or attn.head_dim % 16
             or mlp.act not in COMPILED_ACT or layer.input_layernorm.scale.dtype != torch.float32
-            or layer.input_layernorm.scale.device.type != "cpu"
-            or any(m.lora is not None for m in mods)):  # LoRA's products run beside the modules
+            or layer.input_layernorm.scale.device.type != "cpu"):
         return None
     linears = [_linear(m) for m in mods]
-    if any(x is None for x in linears):
+    loras = [m.lora for m in mods]
+    if any(x is None for x in linears) or not all(_lora_fits(lo, m) for lo, m in zip(loras, mods)):
         return None
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.gemma_norms:
@@ -77,8 +97,10 @@ def plan(layer: nn.Module) -> Plan | None:
         n_q=attn.n_heads, n_kv=attn.n_kv, head_dim=attn.head_dim,
         q_norm=attn.q_norm.scale if attn.qk_norm else None, k_norm=attn.k_norm.scale if attn.qk_norm else None,
         qk_eps=attn.q_norm.eps if attn.qk_norm else 0.0,
-        scaling=core.scaling, softcap=core.softcap or 0.0, window=core.window or 0, act=COMPILED_ACT[mlp.act])
-    return Plan(consts, attn.rope_key, core.layer_id)
+        scaling=core.scaling, softcap=core.softcap or 0.0, window=core.window or 0, act=COMPILED_ACT[mlp.act],
+        **_lora_consts(loras))
+    batch = next((lo.batch for lo in loras if lo is not None), None)
+    return Plan(consts, attn.rope_key, core.layer_id, batch)
 
 
 def forward(p: Plan, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
@@ -87,4 +109,5 @@ def forward(p: Plan, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
     assert meta is not None, "ForwardBatch.build_attention must run before the model"
     cos, sin = rope[p.rope_key]
     return kernels.decoder_layer(h, p.consts, cos, sin, pool.k_buffer[p.layer_id], pool.v_buffer[p.layer_id],
-                                 fb.out_cache_loc, meta.kv_flat, meta.row_kv_starts, meta.row_kv_lens)
+                                 fb.out_cache_loc, meta.kv_flat, meta.row_kv_starts, meta.row_kv_lens,
+                                 None if p.lora is None else p.lora.slots)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from lockstep.kernels import compiled
-from lockstep.lora.layers import row_product
 from lockstep.messages import LoadLoraAdapterReq, UnloadLoraAdapterReq
 from lockstep.testing.inproc import greedy_req, make_scheduler, run_to_completion
 from lockstep.testing.lora_adapters import make_peft_adapter, peft_model
@@ -66,20 +65,6 @@ def test_outputs_match_peft(adapters, arch_adapters) -> None:
                    for i in range(len(prompts))), f"adapter {name} changed no output"
 
 
-def test_the_low_rank_product_of_a_row_does_not_depend_on_the_others() -> None:
-    """Both forms of the row-wise product (torch's batched 1-row products; float32 rows on the
-    exact kernel, where it is compiled) give each row the same bits at every batch size."""
-    from lockstep.layers.block_weight import float32_rows
-
-    torch.manual_seed(0)
-    w, x = torch.randn(96, 64), torch.randn(40, 64)
-    forms = [w.T.contiguous()] + ([float32_rows(w)] if compiled("linear") else [])
-    for form in forms:
-        alone = torch.cat([row_product(x[i:i + 1], form) for i in range(len(x))])
-        for m in (2, 3, 8, 17, 40):
-            assert torch.equal(row_product(x[:m], form), alone[:m])
-
-
 @pytest.mark.skipif(not compiled("linear"), reason="the base is batch invariant on the exact kernel, where it is compiled")
 def test_a_request_is_the_same_alone_and_in_a_mixed_batch(adapters) -> None:
     """Bitwise: one adapter's request alone, then beside requests of the other adapter, the base,
@@ -95,6 +80,25 @@ def test_a_request_is_the_same_alone_and_in_a_mixed_batch(adapters) -> None:
         3: [_req("b3", prompts[4], "qv", 9), _req("b4", prompts[5], None, 12)]})
     assert mixed["x"].output_ids == alone.output_ids
     assert torch.equal(torch.tensor(mixed["x"].logprobs), torch.tensor(alone.logprobs))
+
+
+@pytest.mark.skipif(not compiled("decoder_layer"), reason="no compiled one-call layer in this process")
+def test_one_call_layers_run_the_adapters_as_the_modules_do(adapters) -> None:
+    """The one-call decoder layer with adapter slots gives the module path's bits: adapters' rows
+    and the base's in one batch, prefill and decode."""
+    model = adapters["all"][0]
+    prompts = tiny_prompts(model, 2, seed=7)
+    out = {}
+    for mode in ("one call", "modules"):
+        sched = _serve(model, adapters, ["all", "qv"])
+        runner_model = sched.worker.runner.model
+        assert all(p is not None for p in runner_model.one_call_args), "every layer should run in one call"
+        if mode == "modules":
+            runner_model.one_call_args = [None] * len(runner_model.one_call_args)
+        got = run_to_completion(sched, [_req(f"{n}-{i}", p, n) for i, p in enumerate(prompts)
+                                        for n in ("all", "qv", None)])
+        out[mode] = {rid: (o.output_ids, o.logprobs) for rid, o in got.items()}
+    assert out["one call"] == out["modules"]
 
 
 def test_the_prefix_cache_is_shared_within_an_adapter_only(adapters) -> None:

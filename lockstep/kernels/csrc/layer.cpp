@@ -47,14 +47,19 @@ at::Tensor parts_matmul(const at::Tensor& x, const LayerConsts& c, int64_t lo, i
 
 at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc,
-                         const at::Tensor& kv_slots, const at::Tensor& starts, const at::Tensor& lens) {
+                         const at::Tensor& kv_slots, const at::Tensor& starts, const at::Tensor& lens,
+                         const c10::optional<at::Tensor>& lora_slots) {
   const auto& norms = c.norms;
   const bool gemma = norms.size() == 4;
   int64_t at_part = 0;
+  // a linear as _BlockParts._matmul runs it: the parts, the bias, then the adapters' products
   auto matmul = [&](const at::Tensor& x, int i, const c10::optional<at::Tensor>& bias) {
     const int64_t lo = at_part;
     at_part += c.part_counts[i];
-    return parts_matmul(x, c, lo, at_part, c.in_features[i], bias);
+    at::Tensor y = parts_matmul(x, c, lo, at_part, c.in_features[i], bias);
+    if (lora_slots && !c.lora_a.empty() && c.lora_a[i].numel())
+      lora_sgmv(y, x, c.lora_a[i], c.lora_b[i], c.lora_ranks[i], *lora_slots, c.lora_splits[i]);
+    return y;
   };
   const int64_t hq = c.n_q, hk = c.n_kv, dh = c.head_dim;
   // attention: input norm, qkv, q/k norms and rotary in place, KV written, every row's attention
@@ -84,6 +89,10 @@ void check_layer_consts(const LayerConsts& c) {
   TORCH_CHECK(c.weights.size() == c.kinds.size() && c.weights.size() == c.block_types.size() &&
                   static_cast<int64_t>(c.weights.size()) == parts,
               "one kind and block type per weight part, part_counts adding up to them");
+  const size_t lora = c.lora_a.size();
+  TORCH_CHECK((lora == 0 || lora == 4) && c.lora_b.size() == lora && c.lora_ranks.size() == lora &&
+                  c.lora_splits.size() == lora,
+              "LoRA operands: none, or one of each per linear");
 }
 
 }  // namespace lockstep

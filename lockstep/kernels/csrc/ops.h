@@ -1,5 +1,5 @@
 // Every op the extension exports, one source file each (linear.cpp, int8.cpp, attention.cpp, argmax.cpp,
-// fused.cpp, layer.cpp, amx_bf16.cpp); register.cpp binds them. Block types arrive as GGML type ids (blocks.h).
+// fused.cpp, layer.cpp, lora.cpp, amx_bf16.cpp); register.cpp binds them. Block types arrive as GGML type ids (blocks.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -34,6 +34,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::T
 void qk_norm_rope(const at::Tensor& qkv, int64_t hq, int64_t hk, int64_t dh, const c10::optional<at::Tensor>& qw,
                   const c10::optional<at::Tensor>& kw, const at::Tensor& cos, const at::Tensor& sin, double eps);
 at::Tensor act_and_mul(const at::Tensor& gate_up, const std::string& act);
+// lora.cpp: every LoRA adapter's low-rank product beside one linear, the whole batch in one call
+// (y += B_s A_s x per row, s the row's slot; y in place)
+void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor& ranks, const at::Tensor& slots, const std::vector<int64_t>& splits);
 // layer.cpp: a whole decoder layer of the float32 path, the ops above in the modules' order.
 // How each weight part is multiplied: the weight plan's kinds (layers/block_weight.Kind), by name.
 // Python passes the names ("exact", ...); register.cpp turns them into these once, at construction.
@@ -59,17 +63,24 @@ enum class PartKind : int64_t { kExact = 0, kInt8 = 1, kFloat = 2 };
   X(double, scaling)                      /* attention's */                                            \
   X(double, softcap)                      /* 0: none */                                                \
   X(int64_t, window)                      /* 0: none */                                                \
-  X(std::string, act)                     /* "silu" | "gelu_tanh" */
+  X(std::string, act)                     /* "silu" | "gelu_tanh" */                                   \
+  /* LoRA (lora_sgmv's operands), per linear, or all empty where the layer has no adapter slots: */     \
+  X(std::vector<at::Tensor>, lora_a)      /* the slots' A [S, M R, K] (no elements: not adapted) */     \
+  X(std::vector<at::Tensor>, lora_b)      /* B transposed [S, R, N] */                                 \
+  X(std::vector<at::Tensor>, lora_ranks)  /* int64 [S, M], written in place as slots are filled */     \
+  X(std::vector<std::vector<int64_t>>, lora_splits)  /* each module's output columns */
 struct LayerConsts {
 #define LOCKSTEP_FIELD(type, name) type name{};
   LOCKSTEP_LAYER_CONSTS(LOCKSTEP_FIELD)
 #undef LOCKSTEP_FIELD
 };
 // The per-step arguments: this step's rows h, rotary cos/sin, the layer's K/V buffers, where this
-// step's K/V goes (loc) and each row's K/V slots (kv_slots[starts[r] : starts[r] + lens[r]]).
+// step's K/V goes (loc), each row's K/V slots (kv_slots[starts[r] : starts[r] + lens[r]]) and each
+// row's LoRA slot (none: no row has an adapter).
 at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc,
-                         const at::Tensor& kv_slots, const at::Tensor& starts, const at::Tensor& lens);
+                         const at::Tensor& kv_slots, const at::Tensor& starts, const at::Tensor& lens,
+                         const c10::optional<at::Tensor>& lora_slots);
 void check_layer_consts(const LayerConsts& c);  // TORCH_CHECKs the parts' counts agree
 #ifdef LOCKSTEP_AVX512
 // amx_bf16.cpp: bfloat16 x against bfloat16-rounded blocks on AMX tiles

@@ -66,6 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   def(mod, "add_rms_norm", &add_rms_norm);
   def(mod, "qk_norm_rope", &qk_norm_rope);
   def(mod, "act_and_mul", &act_and_mul);
+  def(mod, "lora_sgmv", &lora_sgmv);
   // module_local: the AVX2 and AVX-512 builds each register their own (tests load both in one process)
   py::class_<LayerConsts> consts(mod, "LayerConsts", py::module_local());
   consts.def(py::init(&layer_consts));
@@ -77,7 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   consts.attr("fields") = py::tuple(fields);  // what the Python side's names are checked against
   consts.attr("part_kinds") = py::tuple(kinds);
   def(mod, "decoder_layer", &decoder_layer, py::arg("h"), py::arg("consts"), py::arg("cos"), py::arg("sin"),
-      py::arg("k_buf"), py::arg("v_buf"), py::arg("loc"), py::arg("kv_slots"), py::arg("starts"), py::arg("lens"));
+      py::arg("k_buf"), py::arg("v_buf"), py::arg("loc"), py::arg("kv_slots"), py::arg("starts"), py::arg("lens"),
+      py::arg("lora_slots") = py::none());
 #ifdef LOCKSTEP_AVX512
   def(mod, "linear_amx_bf16", &linear_amx_bf16);
 #endif

@@ -1,0 +1,105 @@
+"""kernels.lora_sgmv (csrc/lora.cpp): every compiled variant bitwise against a torch emulation of its
+stated arithmetic, each row the same bits alone and in any batch, and the torch reference (what
+serves without a compiler, or off the CPU) close to it and batch invariant too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lockstep.kernels import reference
+from lockstep.kernels.dispatch import build_table
+from lockstep.testing.kernels import compiled, variant_params
+
+SPLITS = [0, 40, 56, 77]  # three modules, widths off the 16-lane vectors (tails)
+R, K = 8, 96
+
+
+def operands(seed: int = 0, t: int = 13) -> tuple[torch.Tensor, ...]:
+    """y, x, a, b, ranks, slots: three slots (one leaves a module out, one of low rank), rows of
+    the base (-1), runs of one slot longer than a tile, and a slot's rows apart."""
+    g = torch.Generator().manual_seed(seed)
+    n, m = SPLITS[-1], len(SPLITS) - 1
+    a = torch.randn(3, m * R, K, generator=g)
+    b = torch.randn(3, R, n, generator=g) * 0.1
+    ranks = torch.tensor([[5, 0, 8], [8, 8, 8], [1, 3, 2]])
+    slots = torch.tensor([-1, 0, 0, 0, 0, 0, 2, 1, -1, 0, 2, 1, 1][:t])
+    return torch.randn(t, n, generator=g), torch.randn(t, K, generator=g), a, b, ranks, slots
+
+
+def emulate(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+            slots: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """csrc/lora.cpp's arithmetic contract step by step in torch (separate products and sums)."""
+    out = y.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        for m, r in enumerate(ranks[s].tolist()):
+            if not r:
+                continue
+            prods = x[t].view(-1, 32)[None] * a[s, m * R:m * R + r].view(r, -1, 32)  # [r, K / 32, 32]
+            acc = torch.zeros(r, 32)
+            for c in range(prods.shape[1]):
+                acc = acc + prods[:, c]
+            for w in (16, 8, 4, 2, 1):
+                acc = acc[:, :w] + acc[:, w:2 * w]
+            u = acc[:, 0]
+            lo, hi = splits[m], splits[m + 1]
+            d = torch.zeros(hi - lo)
+            for j in range(r):
+                d = d + b[s, j, lo:hi] * u[j]
+            out[t, lo:hi] = out[t, lo:hi] + d
+    return out
+
+
+def run(fn, y: torch.Tensor, *args) -> torch.Tensor:  # noqa: ANN001 - an in-place op
+    out = y.clone()
+    fn(out, *args, SPLITS)
+    return out
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_compiled_is_its_contract_bitwise(variant: str) -> None:
+    y, x, a, b, ranks, slots = operands()
+    got = run(compiled(variant).lora_sgmv, y, x, a, b, ranks, slots)
+    assert torch.equal(got, emulate(y, x, a, b, ranks, slots, SPLITS))
+    assert torch.equal(got[slots < 0], y[slots < 0])  # the base's rows untouched
+
+
+@pytest.mark.parametrize("fn", [*variant_params(), "torch"])
+def test_each_row_is_the_same_alone_and_in_any_batch(fn: str) -> None:
+    op = reference.lora_sgmv if fn == "torch" else compiled(fn).lora_sgmv
+    y, x, a, b, ranks, slots = operands(seed=1)
+    batch = run(op, y, x, a, b, ranks, slots)
+    for i in range(len(slots)):
+        alone = run(op, y[i:i + 1], x[i:i + 1], a, b, ranks, slots[i:i + 1])
+        assert torch.equal(alone[0], batch[i]), f"row {i} differs alone vs in the batch"
+    order = torch.randperm(len(slots), generator=torch.Generator().manual_seed(2))
+    shuffled = run(op, y[order], x[order], a, b, ranks, slots[order])
+    assert torch.equal(shuffled, batch[order])
+    # a long run of one slot: rows of 4-row tiles and tails alike
+    long = torch.zeros(11, dtype=torch.int64) + 1
+    y2, x2 = torch.randn(11, SPLITS[-1]), torch.randn(11, K)
+    many = run(op, y2, x2, a, b, ranks, long)
+    for i in (0, 3, 4, 10):
+        assert torch.equal(run(op, y2[i:i + 1], x2[i:i + 1], a, b, ranks, long[i:i + 1])[0], many[i])
+
+
+@pytest.mark.parametrize("variant", variant_params())
+def test_the_reference_is_close_and_the_table_dispatches(variant: str) -> None:
+    """Float rounding apart (torch's matmul sums in its own order): a few float32 ulps of the products."""
+    y, x, a, b, ranks, slots = operands(seed=3)
+    kernel = run(compiled(variant).lora_sgmv, y, x, a, b, ranks, slots)
+    torch.testing.assert_close(run(reference.lora_sgmv, y, x, a, b, ranks, slots), kernel, rtol=1e-5, atol=1e-5)
+    table = build_table(variant, compiled(variant).mod)
+    assert torch.equal(run(table.lora_sgmv, y, x, a, b, ranks, slots), kernel)
+    # operands the kernel does not take (K off whole groups of 32) run the reference
+    x_odd, a_odd = x[:, :80].contiguous(), a[:, :, :80].contiguous()
+    assert torch.equal(run(table.lora_sgmv, y, x_odd, a_odd, b, ranks, slots),
+                       run(reference.lora_sgmv, y, x_odd, a_odd, b, ranks, slots))
+
+
+def test_no_adapter_rows_add_nothing() -> None:
+    y, x, a, b, ranks, _ = operands()
+    none = torch.full((len(y),), -1)
+    assert torch.equal(run(reference.lora_sgmv, y, x, a, b, ranks, none), y)
