@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lockstep.testing.tiny_models import INIT_RANGE, ONE_D_NOISE, _publish, tiny_cache_dir
+from lockstep.testing.tiny_models import INIT_RANGE, _publish, perturbed_params, tiny_cache_dir
 
 TINY_ENCODER_VERSION = "v1"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -50,11 +50,9 @@ def tiny_hf_encoder(kind: str, seed: int = 0) -> torch.nn.Module:
     base, classifier = _family(kind)
     cls = getattr(transformers, classifier if kind.endswith("rerank") else base)
     model = cls(tiny_bert_config(kind))
-    gen = torch.Generator().manual_seed(seed + 1_000_003)
-    with torch.no_grad():  # 1-D weights off their stock 1 / 0, so a dropped bias or norm shows
-        for _, p in sorted(model.named_parameters()):
-            if p.ndim == 1:
-                p.add_(torch.randn(p.shape, generator=gen) * ONE_D_NOISE)
+    with torch.no_grad():
+        for _ in perturbed_params(model, seed):
+            pass
     return model.eval()
 
 

@@ -23,12 +23,12 @@ from lockstep.testing.tiny_models import (
     INTERMEDIATE_SIZE,
     NUM_HEADS,
     NUM_KV_HEADS,
-    ONE_D_NOISE,
     PAD_ID,
     TINY_VERSION,
     TOKENIZER_VOCAB_SIZE,
     built_tiny_dir,
     mark_fast_tokenizer,
+    perturbed_params,
     tiny_tokenizer_dir,
 )
 
@@ -71,11 +71,9 @@ def _build(out: Path, seed: int) -> None:
 
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(tiny_idefics3_config()).eval()
-    gen = torch.Generator().manual_seed(seed + 1_000_003)
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.ndim == 1:
-                p.add_(torch.randn(p.shape, generator=gen) * ONE_D_NOISE)
+        for _ in perturbed_params(model, seed):
+            pass
     model.save_pretrained(str(out))
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir()))
     tok.add_tokens(ADDED, special_tokens=True)

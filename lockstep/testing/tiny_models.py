@@ -27,7 +27,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -302,14 +302,21 @@ def tiny_hf_model(arch: str, seed: int = 0, **config_overrides: Any) -> torch.nn
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_overrides),
                                              dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1_000_003)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if p.ndim == 1:
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * ONE_D_NOISE)
+        for name, p in perturbed_params(model, seed):
             if arch == "gemma3":
                 _gemma3_tweak(name, p)
     return model.eval()
+
+
+def perturbed_params(model: torch.nn.Module, seed: int) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """A tiny model's parameters in name order, each 1-D one first moved off its stock 1 / 0 (so a
+    dropped bias or norm shows against the oracle); iterate under torch.no_grad()."""
+    gen = torch.Generator().manual_seed(seed + 1_000_003)
+    for name, p in sorted(model.named_parameters()):
+        if p.ndim == 1:
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * ONE_D_NOISE)
+        yield name, p
 
 
 def _write_model(

@@ -19,11 +19,11 @@ from lockstep.testing.tiny_models import (
     INTERMEDIATE_SIZE,
     NUM_HEADS,
     NUM_KV_HEADS,
-    ONE_D_NOISE,
     TINY_VERSION,
     _gemma3_tweak,
     built_tiny_dir,
     mark_fast_tokenizer,
+    perturbed_params,
     tiny_tokenizer_dir,
 )
 
@@ -57,11 +57,8 @@ def _build(out: Path, seed: int) -> None:
 
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(tiny_vision_config()).eval()
-    gen = torch.Generator().manual_seed(seed + 1_000_003)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if p.ndim == 1:
-                p.add_(torch.randn(p.shape, generator=gen) * ONE_D_NOISE)
+        for name, p in perturbed_params(model, seed):
             _gemma3_tweak(name.replace("model.language_model.", "model."), p)
             if "patch_embedding" in name or "mm_input_projection" in name:
                 p.mul_(4.0)  # image features as large as the (shrunk) text embeddings' rows
