@@ -91,36 +91,37 @@ class ImageInputs:
               base: int) -> list[ImageRef]:
         """One ref per run of image tokens in an image's `tokens` (placed at prompt position
         `base`), taking the image's feature rows in order."""
-        refs, feature, i, tok = [], 0, 0, self.vision.image_token_id
-        while i < len(tokens):
-            if tokens[i] != tok:
-                i += 1
-                continue
-            j = i
-            while j < len(tokens) and tokens[j] == tok:
-                j += 1
+        refs, feature = [], 0
+        for i, j in _runs(tokens, self.vision.image_token_id):
             refs.append(ImageRef(digest, shm_name, shape, base + i, j - i, feature,
                                  self.layout.bidirectional))
-            feature, i = feature + j - i, j
+            feature += j - i
         return refs
 
     def _places(self, ids: list[int]) -> list[int]:
         """Start of each run of image tokens; each must be place_tokens long."""
-        tok, n = self.vision.image_token_id, self.layout.place_tokens
-        starts, i = [], 0
-        while i < len(ids):
-            if ids[i] != tok:
-                i += 1
-                continue
-            j = i
-            while j < len(ids) and ids[j] == tok:
-                j += 1
+        n = self.layout.place_tokens
+        runs = _runs(ids, self.vision.image_token_id)
+        for i, j in runs:
             if j - i != n:
                 raise ImageError(f"the prompt has a run of {j - i} image tokens at position {i}; "
                                  f"each image's place is exactly {n}")
-            starts.append(i)
-            i = j
-        return starts
+        return [i for i, _ in runs]
+
+
+def _runs(tokens: list[int], tok: int) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of `tok` in `tokens`, in order."""
+    runs, i = [], 0
+    while i < len(tokens):
+        if tokens[i] != tok:
+            i += 1
+            continue
+        j = i
+        while j < len(tokens) and tokens[j] == tok:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
 
 
 def image_inputs_for(model_dir: Path, hf_config: dict[str, Any], tokenizer: Any,
