@@ -42,7 +42,9 @@ class ServerArgs:
                "(docs/embeddings.md).", "model")
     served_model_name: str | None = flag(None, "Name in /v1/models.", "model")
     chat_template: str | None = flag(
-        None, "Built-in name (gemma, llama3, chatml) or a Jinja file.", "model")
+        None, "Built-in name (gemma, llama3, chatml) or a Jinja file. qwen3-reranker (SGLang's "
+              "qwen3_reranker) serves a decoder as a yes/no reranker (/v1/rerank): Qwen3-Reranker, "
+              "found by its name without it (docs/embeddings.md).", "model")
     tool_call_parser: str | None = flag(
         None, "How tool calls are read from the model's replies under tool_choice 'auto' "
               "(SGLang's names). Default: the model family's format (Qwen2/3: qwen25, "

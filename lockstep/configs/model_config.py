@@ -55,6 +55,8 @@ class ModelConfig:
     type_vocab_size: int = 0  # BERT's segment (token type) embeddings
     num_labels: int = 0  # a sequence-classification head's outputs (a cross-encoder's score)
     sep_token_id: int | None = None  # BERT: tokens after the first separator are segment 1
+    # a yes/no reranker (model_loader.pooling): the tokens whose LM-head rows are its classifier
+    label_token_ids: tuple[int, ...] = ()
     position_offset: int = 0  # added to every position id (RoBERTa family: padding id + 1)
     vision: VisionConfig | None = None  # a model that reads images (lockstep.multimodal)
 

@@ -2,9 +2,10 @@
 Jina's / Cohere's /rerank and /v2/rerank, and SGLang's /v1/score (a generative model's label-token
 probabilities, from the prompt logprob of each label appended to query + item). Each input is one prefill-only request (max_new_tokens
 0) through the same TokenizerManager, scheduler and model runner as generation; the model's
-pooling step (lockstep.managers.pooling_step) sends back its vector, or for a cross-encoder its
+pooling step (lockstep.managers.pooling_step) sends back its vector, or for a reranker its
 scores, instead of a token. A server whose model does not serve the route's kind answers 400
-(TokenizerManager.check_kind): embeddings need an embedding model, rerank a cross-encoder."""
+(TokenizerManager.check_kind): embeddings need an embedding model, rerank a reranker (a
+cross-encoder, or a decoder that answers yes or no: Qwen3-Reranker)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from starlette.responses import Response
 from lockstep.entrypoints.app_state import AppState, State, returns
 from lockstep.entrypoints.fanout import run_to_completion
 from lockstep.entrypoints.middleware import JSONRoute
+from lockstep.entrypoints.openai.chat_templates import reranker_prompt
 from lockstep.entrypoints.openai.embedding_protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -114,11 +116,19 @@ async def encode(req: EncodeRequest, request: Request, state: State) -> Response
 async def _rerank(state: AppState, req: RerankRequest, request: Request, route: str
                   ) -> tuple[list[tuple[int, float]], list[GenerateOutput]]:
     """(document index, relevance) best first, cut to top_n; and the outputs in document order.
-    Each (query, document) pair is encoded as the tokenizer encodes a pair (with its segments)."""
+    A cross-encoder reads each (query, document) pair as the tokenizer encodes a pair (with its
+    segments); a yes/no reranker reads it in its prompt, with the request's instruction."""
     state.tm.check_kind("score", route)
     state.openai.check_model(req.model)
-    tok = state.tm.tokenizer
-    pairs = [(None, tok(req.query, doc).input_ids) for doc in req.texts()]
+    pairs: list[tuple[str | None, list[int] | None]]
+    if (state.launched.info.get("pooling") or {}).get("label_tokens"):
+        pairs = [(reranker_prompt(req.query, doc, req.instruct), None) for doc in req.texts()]
+    elif req.instruct is not None:
+        raise RequestError("instruct: this server's model is a cross-encoder, which takes no "
+                           "instruction (a yes/no reranker such as Qwen3-Reranker does)")
+    else:
+        tok = state.tm.tokenizer
+        pairs = [(None, tok(req.query, doc).input_ids) for doc in req.texts()]
     outs = await _pooled(state, pairs, request)
     scored = sorted(((i, _relevance(o.embedding or [])) for i, o in enumerate(outs)),
                     key=lambda p: (-p[1], p[0]))
@@ -127,7 +137,8 @@ async def _rerank(state: AppState, req: RerankRequest, request: Request, route: 
 
 def _relevance(scores: list[float]) -> float:
     """A cross-encoder's logits as a relevance in [0, 1]: the sigmoid of a single logit (as
-    sentence-transformers' CrossEncoder gives it), else the probability of the last label."""
+    sentence-transformers' CrossEncoder gives it), else the probability of the last label (a
+    yes/no reranker's labels are no, yes: p(yes))."""
     if len(scores) == 1:
         return 1.0 / (1.0 + math.exp(-scores[0]))
     top = max(scores)

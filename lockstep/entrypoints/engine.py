@@ -182,7 +182,8 @@ def launch_subprocesses(args: ServerArgs) -> Launched:
             architectures=source.hf_config.get("architectures"))
         launched.tokenizer_manager = TokenizerManager(
             args, ports, tokenizer, info["context_len"], info["max_total_num_tokens"], vocab)
-        pooling = pooling_for(source.model_dir, source.hf_config, args.is_embedding)
+        pooling = pooling_for(source.model_dir, source.hf_config, args.is_embedding, source.origin,
+                              args.chat_template)
         launched.info.update(kind=model_kind(pooling),
                              pooling=dataclasses.asdict(pooling) if pooling else None)
         launched.tokenizer_manager.kind = launched.info["kind"]

@@ -165,7 +165,8 @@ class TokenizerManager:
                   "score": "scores (rerank)"}[self.kind]
         hint = {"generate": "start a server with a generative model",
                 "embed": "start a server with an embedding model (--is-embedding)",
-                "score": "start a server with a cross-encoder reranker model"}[wanted]
+                "score": "start a server with a reranker: a cross-encoder, or a Qwen3-Reranker "
+                         "(its name says so, or --chat-template qwen3-reranker)"}[wanted]
         raise RequestError(f"{route}: this server's model {serves}; {hint}")
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from lockstep.configs.model_config import ModelConfig
-from lockstep.model_loader.pooling import separator_id
+from lockstep.model_loader.pooling import Pooling, separator_id
 from lockstep.server_args import ServerArgs
 
 
@@ -22,9 +22,12 @@ def embedding_args(args: ServerArgs) -> ServerArgs:
                                enable_overlap_schedule=False, speculative_algorithm="NONE")
 
 
-def with_separator(cfg: ModelConfig, model_dir: Path) -> ModelConfig:
-    """An encoder's config with its tokenizer's separator id, where config.json has none (BERT
-    checkpoints rarely do): the token a pair's second segment starts after."""
+def pooling_config(cfg: ModelConfig, model_dir: Path, pooling: Pooling) -> ModelConfig:
+    """A pooling model's config with what its files say beside config.json: an encoder's
+    separator id, where config.json has none (BERT checkpoints rarely do: the token a pair's
+    second segment starts after), and a yes/no reranker's label tokens (its classifier rows)."""
+    if pooling.label_tokens:
+        cfg = dataclasses.replace(cfg, label_token_ids=pooling.label_tokens)
     if cfg.causal or cfg.sep_token_id is not None:
         return cfg
     return dataclasses.replace(cfg, sep_token_id=separator_id(model_dir))

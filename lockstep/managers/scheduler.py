@@ -418,7 +418,7 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
     from lockstep.configs.model_config import ModelConfig
     from lockstep.detokenizer.incremental_detokenizer import load_tokenizer
     from lockstep.distributed.parallel_state import NO_PIPELINE, SINGLE
-    from lockstep.managers.embedding_args import embedding_args, with_separator
+    from lockstep.managers.embedding_args import embedding_args, pooling_config
     from lockstep.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
     from lockstep.model_loader import resolve_model
     from lockstep.model_loader.pooling import pooling_for
@@ -426,9 +426,10 @@ def create_scheduler(args: ServerArgs, tp=None, pp=None, local_ranks: int = 1,
 
     source = resolve_model(args.model_path)
     model_cfg = ModelConfig.from_hf(source.hf_config)
-    pooling = pooling_for(source.model_dir, source.hf_config, args.is_embedding)
+    pooling = pooling_for(source.model_dir, source.hf_config, args.is_embedding, source.origin,
+                          args.chat_template)
     if pooling is not None:
-        args, model_cfg = embedding_args(args), with_separator(model_cfg, source.model_dir)
+        args, model_cfg = embedding_args(args), pooling_config(model_cfg, source.model_dir, pooling)
 
     def read_files() -> tuple[ModelFiles, GrammarBackend | None]:
         """The tokenizer (stop strings, grammars), then the grammar vocabulary built from it."""

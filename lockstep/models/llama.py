@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lockstep import kernels
@@ -151,11 +152,19 @@ class LlamaForCausalLM(nn.Module):
             self.norm = self.layer_cls.norm(cfg, dtype)
             self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                             else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype))
+        # a yes/no reranker's classifier, [labels, hidden]: its LM head's rows of the label
+        # tokens (cfg.label_token_ids), read from the settled head by after_loading
+        self.label_rows: torch.Tensor | None = None
 
     def after_loading(self) -> None:
         """Once the weights are settled (weight_setup): which layers run in one compiled call, with
         references to their settled tensors (so a later change of weights needs this again)."""
         self.one_call_args = [one_call.plan(layer) for layer in self.stage_layers]
+        if self.cfg.label_token_ids and self.pp.is_last:
+            # a lookup of the head's rows: the same numbers its logits multiply by (dequantized
+            # where the head is in blocks), gathered from the rank that holds each under TP
+            ids = torch.tensor(self.cfg.label_token_ids, device=self.norm.weight.device)
+            self.label_rows = self.lm_head(ids)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -178,6 +187,12 @@ class LlamaForCausalLM(nn.Module):
             else:
                 h = one_call.forward(p, h, fb, pool, rope)
         return self.norm(h[fb.logits_indices]) if self.pp.is_last else h
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[B, hidden] last-token rows -> [B, labels]: a yes/no reranker's logits of its label
+        tokens, the same as those columns of compute_logits. Row by row, so that a score does
+        not depend on what it was batched with (a matmul's blocking may change with B)."""
+        return torch.cat([F.linear(row[None], self.label_rows) for row in pooled])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden).float()

@@ -379,6 +379,25 @@ def make_tiny_model(
     return _publish(root / _model_key(arch, seed, dtype, config_overrides), build)
 
 
+def make_tiny_yes_no_reranker(tied: bool = False) -> Path:
+    """A tiny Qwen3 whose directory's name says it is a Qwen3-Reranker (lockstep.model_loader.pooling
+    finds it so): the tiny tokenizer with "yes" and "no" added as tokens (ids 512 and 513; the
+    trained one has neither whole), and a vocabulary of 514 to hold them."""
+    from transformers import AutoTokenizer
+
+    overrides = {"vocab_size": TOKENIZER_VOCAB_SIZE + 2, "tie_word_embeddings": tied}
+
+    def build(out: Path) -> None:
+        tiny_hf_model("qwen3", 0, **overrides).save_pretrained(str(out))
+        tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+        if tok.add_tokens(["yes", "no"]) != 2:
+            raise RuntimeError("the tiny tokenizer already has 'yes' or 'no'")
+        tok.save_pretrained(str(out))
+        mark_fast_tokenizer(out)
+
+    return built_tiny_dir(f"qwen3-reranker-{'tied-' if tied else ''}{TINY_VERSION}", build)
+
+
 def tiny_prompts(model_dir: Path, n: int, seed: int = 0, min_words: int = 3,
                  max_words: int = 30) -> list[list[int]]:
     """``n`` token-id prompts of the built-in corpus's words, in ``model_dir``'s tokenizer."""

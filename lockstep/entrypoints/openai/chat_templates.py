@@ -3,6 +3,7 @@ each family's official format), rendered by the tokenizer's own `apply_chat_temp
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -11,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.sandbox
 
 from lockstep.function_call.registry import LLAMA_NAMES, QWEN_NAMES
+from lockstep.model_loader.pooling import RERANKER_TEMPLATE
 
 # One Jinja file per family beside this module, tools included, each saying where its format
 # comes from.
@@ -36,7 +39,8 @@ ARCH_TO_TEMPLATE: dict[str, str] = {
 }
 
 # SGLang's names for the same formats, so that its --chat-template values keep working.
-_ALIASES = {"gemma-it": "gemma", "llama-3-instruct": "llama3", "qwen": "chatml", "qwen2-vl": "chatml"}
+_ALIASES = {"gemma-it": "gemma", "llama-3-instruct": "llama3", "qwen": "chatml", "qwen2-vl": "chatml",
+            "qwen3_reranker": RERANKER_TEMPLATE}
 
 
 def resolve_chat_template(requested: str | None, tokenizer_template: str | None, model_type: str,
@@ -124,3 +128,15 @@ def wants_content_parts(tokenizer: Any, template: str) -> bool:
         if probe in rendered:
             return not isinstance(content, str)
     return False
+
+
+@functools.cache
+def _reranker_prompt() -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
+    return env.from_string(BUILTIN_CHAT_TEMPLATES[RERANKER_TEMPLATE])
+
+
+def reranker_prompt(query: str, document: str, instruct: str | None) -> str:
+    """The text a yes/no reranker (Qwen3-Reranker) scores one (query, document) pair in: the
+    built-in RERANKER_TEMPLATE, the one place its prompt is written."""
+    return _reranker_prompt().render(query=query, document=document, instruct=instruct)

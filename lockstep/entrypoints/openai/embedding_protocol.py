@@ -85,6 +85,9 @@ class RerankRequest(StrictModel):
     model: str | None = None
     top_n: int | None = Field(None, ge=1)
     return_documents: bool = True
+    # SGLang's: the task a yes/no reranker (Qwen3-Reranker) judges each pair for; None: its
+    # model card's default (web search). A cross-encoder has no instruction: a 400.
+    instruct: str | None = None
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
