@@ -186,6 +186,12 @@ def test_jina_cohere_rerank_shape(rerank_server: LiveServer, path: str) -> None:
     assert got["usage"]["prompt_tokens"] > len(DOCS) * 5
 
 
+def test_a_cross_encoder_takes_no_instruction(rerank_server: LiveServer) -> None:
+    """`instruct` is a yes/no reranker's (tests/api/test_decoder_rerank.py); not ignored here."""
+    r = _post(rerank_server, "/v1/rerank", {"query": QUERY, "documents": DOCS, "instruct": "x"})
+    assert r.status_code == 400 and "instruct" in r.json()["error"]["message"], r.text
+
+
 def test_a_reranker_refuses_embeddings_and_generation(rerank_server: LiveServer) -> None:
     for path, body in [("/v1/embeddings", {"input": "x"}), ("/generate", {"text": "hi"})]:
         r = _post(rerank_server, path, body)

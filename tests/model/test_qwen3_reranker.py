@@ -6,9 +6,6 @@ is found to be one (docs/embeddings.md)."""
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,6 +15,7 @@ from lockstep.model_loader.layout import ModelLoadError
 from lockstep.model_loader.pooling import Pooling, pooling_for
 from lockstep.testing.embedding_oracle import embed_in_process
 from lockstep.testing.inproc import make_scheduler
+from lockstep.testing.reranker_oracle import card_prompt, tokenizer, transformers_p_yes
 from lockstep.testing.tiny_encoders import make_tiny_encoder
 from lockstep.testing.tiny_models import make_tiny_model, make_tiny_yes_no_reranker
 
@@ -25,39 +23,6 @@ QUERY = "what do pandas eat"
 DOCS = ["The giant panda eats bamboo shoots and leaves.", "Paris is the capital of France.",
         "hi", "The river bends twice before it reaches the sea, and the old mill stands there."]
 INSTRUCT = "Given a question, find the passage that answers it"
-# The model card's prompt, written out here as the card writes it (not through lockstep's template)
-CARD_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the "
-               "Query and the Instruct provided. Note that the answer can only be \"yes\" or \"no\"."
-               "<|im_end|>\n<|im_start|>user\n")
-CARD_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-CARD_INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
-
-
-def card_prompt(query: str, doc: str, instruct: str | None = None) -> str:
-    return (f"{CARD_PREFIX}<Instruct>: {instruct or CARD_INSTRUCT}\n<Query>: {query}\n"
-            f"<Document>: {doc}{CARD_SUFFIX}")
-
-
-@functools.cache
-def _tokenizer(path: str):  # noqa: ANN202
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def transformers_p_yes(path: Path, prompts: list[str]) -> list[float]:
-    """The model card's score: the last position's logits of "no" and "yes", softmaxed."""
-    from transformers import AutoModelForCausalLM
-
-    tok = _tokenizer(str(path))
-    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    scores = []
-    with torch.no_grad():
-        for p in prompts:
-            logits = hf(torch.tensor([tok(p).input_ids])).logits[0, -1]
-            scores.append(torch.softmax(torch.stack([logits[no], logits[yes]]), 0)[1].item())
-    return scores
 
 
 def test_the_prompt_is_the_model_cards() -> None:
@@ -70,14 +35,13 @@ def test_scores_are_transformers_p_yes(tied: bool) -> None:
     """p(yes) of each pair, with the default and a given instruction, to float32 rounding, in
     the same order; and each score's bits the same alone and among the others."""
     path = make_tiny_yes_no_reranker(tied)
-    tok = _tokenizer(str(path))
+    tok = tokenizer(str(path))
     sched = make_scheduler(path)
     for instruct in (None, INSTRUCT):
-        prompts = [card_prompt(QUERY, d, instruct) for d in DOCS]
         ids = [tok(reranker_prompt(QUERY, d, instruct)).input_ids for d in DOCS]
         logits = embed_in_process(sched, ids, prefix=f"{instruct}-")
         ours = [torch.softmax(torch.tensor(row), 0)[1].item() for row in logits]
-        ref = transformers_p_yes(path, prompts)
+        ref = transformers_p_yes(path, QUERY, DOCS, instruct)
         assert all(len(row) == 2 for row in logits)
         assert max(abs(a - b) for a, b in zip(ours, ref)) < 2e-6, (ours, ref)
         assert sorted(range(len(DOCS)), key=lambda i: -ours[i]) == sorted(
