@@ -290,3 +290,31 @@ def test_langchain_openai_embeddings(minilm_server: LiveServer, st_vectors: torc
     assert (torch.tensor(out["docs"]) - st_vectors).abs().max().item() < 1e-5
     ref = _vectors(_post(minilm_server, "/v1/embeddings", {"input": "hello"}).json())[0]
     assert (torch.tensor(out["query"]) - ref).abs().max().item() < 1e-6
+
+
+LLAMA_INDEX_PROGRAM = r'''
+import json, sys
+from llama_index.embeddings.openai_like import OpenAILikeEmbedding
+
+emb = OpenAILikeEmbedding(model_name="all-minilm-l6-v2", api_base=sys.argv[1] + "/v1", api_key="none")
+print(json.dumps({"docs": emb.get_text_embedding_batch(json.loads(TEXTS_JSON)),
+                  "query": emb.get_query_embedding("hello")}))
+'''
+
+
+def test_llama_index_openai_like_embedding(minilm_server: LiveServer, st_vectors: torch.Tensor,
+                                           tmp_path_factory: pytest.TempPathFactory,
+                                           tmp_path: Path) -> None:
+    """llama-index's OpenAILikeEmbedding, unchanged (no option needed: it sends the texts)."""
+    from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv, run_client
+
+    try:
+        python = client_venv(tmp_path_factory.getbasetemp().parent,
+                             ["llama-index-embeddings-openai-like==0.4.0"])
+    except PackageIndexUnreachable as e:
+        pytest.skip(str(e))
+    program = LLAMA_INDEX_PROGRAM.replace("TEXTS_JSON", repr(json.dumps(TEXTS)))
+    out = run_client(python, program, minilm_server.url, tmp_path)
+    assert (torch.tensor(out["docs"]) - st_vectors).abs().max().item() < 1e-5
+    ref = _vectors(_post(minilm_server, "/v1/embeddings", {"input": "hello"}).json())[0]
+    assert (torch.tensor(out["query"]) - ref).abs().max().item() < 1e-6
