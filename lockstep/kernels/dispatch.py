@@ -79,6 +79,11 @@ def _rows(*ts: torch.Tensor, dims: tuple[int, ...] = (2,)) -> bool:  # float32 C
     return _cpu_f32(*ts) and all(t.dim() in dims and t.stride(-1) == 1 for t in ts)
 
 
+def _slots_fit(a: torch.Tensor, b: torch.Tensor) -> bool:  # LoRA slots: float32 or bfloat16, both alike
+    return (a.device.type == b.device.type == "cpu" and a.dtype == b.dtype in (torch.float32, torch.bfloat16)
+            and a.dim() == b.dim() == 3 and a.is_contiguous() and b.is_contiguous())
+
+
 def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]]:
     """The variant's functions, adapted to the references' signatures."""
     def attention(q, k_buf, v_buf, slots, starts, lens, scaling, softcap, window):  # noqa: ANN001, ANN202
@@ -138,8 +143,8 @@ _TAKES: dict[str, Callable[..., bool]] = {
     "qk_norm_rope": lambda qkv, n_q, n_kv, d, qw, kw, cos, sin, eps: _rows(qkv, cos, sin, dims=(1, 2, 3)),
     "act_and_mul": lambda g, act: _rows(g),
     "lora_sgmv": lambda y, x, a, b, ranks, slots, splits: (
-        _rows(y, x, a, b, dims=(2, 3)) and x.shape[1] % GROUP == 0 and a.is_contiguous() and b.is_contiguous()
-        and ranks.device.type == "cpu" and slots.device.type == "cpu"),
+        _rows(y, x) and x.shape[1] % GROUP == 0 and _slots_fit(a, b) and ranks.device.type == "cpu"
+        and slots.device.type == "cpu"),
     "decoder_layer": lambda h, *_: _rows(h),
 }
 

@@ -80,7 +80,8 @@ def rowwise(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
               slots: torch.Tensor, splits: Sequence[int]) -> None:
-    # slot by slot, module by module, each product row-wise (csrc/lora.cpp states the layout);
+    # slot by slot, module by module, each product row-wise (csrc/lora.cpp states the layout), the
+    # slots' values widened to x's type first as the kernel widens them (bfloat16 slots, float32 rows);
     # index_add_ adds each row's delta once (the rows are distinct), so it is deterministic on GPUs too
     r_max = b.shape[1]
     present = slots[slots >= 0]
@@ -90,8 +91,8 @@ def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         delta = torch.zeros(len(rows), y.shape[1], dtype=y.dtype, device=y.device)
         for m, r in enumerate(ranks[s].tolist()):
             if r:
-                u = rowwise(xs, a[s, m * r_max:m * r_max + r].T)
-                delta[:, splits[m]:splits[m + 1]] = rowwise(u, b[s, :r, splits[m]:splits[m + 1]])
+                u = rowwise(xs, a[s, m * r_max:m * r_max + r].to(x.dtype).T)
+                delta[:, splits[m]:splits[m + 1]] = rowwise(u, b[s, :r, splits[m]:splits[m + 1]].to(x.dtype))
         y.index_add_(0, rows, delta)
 
 

@@ -9,11 +9,12 @@ max rank, in] (a fused linear's modules, q/k/v or gate/up, share their input, so
 together and one shrink serves them), B transposed [slots, max rank, local outputs] (each module's
 B in its own output columns), and each slot's rank per module (0: the adapter leaves the module
 out, which then costs nothing). Like SGLang's LoRA memory pool, the slots are allocated at start
-(--max-loras-per-batch x --max-lora-rank).
+(--max-loras-per-batch x --max-lora-rank), in the type `slot_dtype` picks.
 
 Batch invariance: each row's product is computed on its own in a fixed order (csrc/lora.cpp on a
-CPU in float32; elsewhere the reference's batched 1-row products), so a request's output is the
-same alone and in a batch that mixes adapters (tests/model/test_lora.py checks bitwise).
+CPU, in float32 arithmetic whatever the slots' type; elsewhere the reference's batched 1-row
+products), so a request's output is the same alone and in a batch that mixes adapters
+(tests/model/test_lora.py checks bitwise).
 
 Tensor parallelism: A is whole (each rank's linear sees every input column: column-parallel
 layers take x whole, row-parallel ones gather it first) and B keeps the output rows of this
@@ -28,11 +29,25 @@ from torch import nn
 
 from lockstep import kernels
 from lockstep.forward_batch import ForwardBatch
+from lockstep.layers.weight_plan import Target
 from lockstep.lora.adapter import LoraAdapter
 
 # our fused linear (its path in a decoder layer) -> the PEFT modules its outputs hold, in order
 LINEARS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
            "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+
+
+def slot_dtype(target: Target) -> torch.dtype:
+    """The type the adapter slots hold A and B in, from the base's precision (the weight plan's
+    target): bfloat16 under int8 activations on a CPU, where a decode step streams every adapter
+    row's A and B from memory beside the base's blocks, so half the bytes is what one user's step
+    feels, and activations rounded to 8 bits per block already set the path's agreement with
+    float32 (the kernel widens each value exactly and multiplies in float32); else the model's
+    dtype, so the exact float32 path stays float32 end to end (the HF + PEFT oracle: bfloat16's
+    8-bit mantissa moves these random adapters' logprobs far past its tests' tolerance)."""
+    if target.device.type == "cpu" and target.dtype == torch.float32 and target.int8_activations:
+        return torch.bfloat16
+    return target.dtype
 
 
 @dataclass
@@ -47,16 +62,15 @@ class LoraLinear:
     """One linear's adapters in the resident slots, and the product it adds to the base output."""
 
     def __init__(self, subs: tuple[str, ...], rows: list[tuple[int, int]], in_features: int,
-                 batch: LoraBatch, n_slots: int, max_rank: int, like: torch.Tensor) -> None:
+                 batch: LoraBatch, n_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.subs = subs
         self.rows = rows  # per module: the rows of its whole B this rank keeps
         widths = [e - s for s, e in rows]
         self.splits = [sum(widths[:i]) for i in range(len(widths) + 1)]  # each module's output columns
         self.batch = batch
         self.max_rank = max_rank
-        dtype = like.dtype if like.is_floating_point() else torch.float32
-        self.a = torch.zeros(n_slots, len(subs) * max_rank, in_features, dtype=dtype, device=like.device)
-        self.b = torch.zeros(n_slots, max_rank, self.splits[-1], dtype=dtype, device=like.device)
+        self.a = torch.zeros(n_slots, len(subs) * max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(n_slots, max_rank, self.splits[-1], dtype=dtype, device=device)
         self.ranks = torch.zeros(n_slots, len(subs), dtype=torch.int64)  # read on the host
 
     def set_slot(self, slot: int, ab: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
@@ -97,18 +111,19 @@ def _rows(linear: nn.Module, subs: tuple[str, ...]) -> list[tuple[int, int]]:
 class LoraLayers:
     """Every adapted linear of a model (this rank's layers), the batch they read, and the slots."""
 
-    def __init__(self, model: nn.Module, targets: frozenset[str], n_slots: int, max_rank: int) -> None:
+    def __init__(self, model: nn.Module, targets: frozenset[str], n_slots: int, max_rank: int,
+                 target: Target) -> None:
         self.batch = LoraBatch()
         self.n_slots = n_slots
         self.linears: list[tuple[int, LoraLinear]] = []  # (layer index, its adapted linear)
-        like = next(model.parameters())
+        dtype = slot_dtype(target)
         for i, layer in enumerate(model.stage_layers):
             for path, subs in LINEARS.items():
                 if not targets & set(subs):
                     continue
                 linear = layer.get_submodule(path)
                 linear.lora = LoraLinear(subs, _rows(linear, subs), linear.in_features, self.batch,
-                                         n_slots, max_rank, like)
+                                         n_slots, max_rank, dtype, target.device)
                 self.linears.append((model.start_layer + i, linear.lora))
         model.after_loading()  # the one-call layers take the adapter slots' weights
 

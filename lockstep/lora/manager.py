@@ -136,7 +136,8 @@ def create_lora_manager(args, runner) -> LoraManager:  # noqa: ANN001 - ServerAr
     targets = parse_targets(args.lora_target_modules) or (
         frozenset().union(*(a.config.targets for a in first)) if first else frozenset(TARGET_MODULES))
     max_rank = args.max_lora_rank or max((a.rank for a in first), default=DEFAULT_MAX_RANK)
-    runner.lora = LoraLayers(runner.model, targets, args.max_loras_per_batch, max_rank)
+    runner.lora = LoraLayers(runner.model, targets, args.max_loras_per_batch, max_rank,
+                             runner.weight_plan.target)
     manager = LoraManager(runner.lora, cfg, max_rank, targets, args.max_loaded_loras)
     for adapter in first:
         done = manager.load(adapter.name, adapter.path)

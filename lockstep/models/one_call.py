@@ -59,7 +59,7 @@ def _lora_fits(lora: Any, lin: nn.Module) -> bool:
     """Whether the layer's kernel runs this linear's LoRA products (lora.layers.LoraLinear, None
     where it has no adapter slots) as its module would: on the compiled lora_sgmv."""
     return lora is None or (kernels.compiled("lora_sgmv") and lin.in_features % kernels.GROUP == 0
-                            and lora.a.dtype == torch.float32 and lora.a.device.type == "cpu")
+                            and lora.a.dtype in (torch.float32, torch.bfloat16) and lora.a.device.type == "cpu")
 
 
 def _lora_consts(loras: list[Any]) -> dict[str, list]:

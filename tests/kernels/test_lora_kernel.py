@@ -1,6 +1,7 @@
 """kernels.lora_sgmv (csrc/lora.cpp): every compiled variant bitwise against a torch emulation of its
-stated arithmetic, each row the same bits alone and in any batch, and the torch reference (what
-serves without a compiler, or off the CPU) close to it and batch invariant too."""
+stated arithmetic, with float32 slots and bfloat16 ones (widened to float32 as read), each row the
+same bits alone and in any batch, and the torch reference (what serves without a compiler, or off
+the CPU) close to it and batch invariant too."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ SPLITS = [0, 40, 56, 77]  # three modules, widths off the 16-lane vectors (tails
 R, K = 8, 96
 
 
-def operands(seed: int = 0, t: int = 13) -> tuple[torch.Tensor, ...]:
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def operands(seed: int = 0, t: int = 13, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """y, x, a, b, ranks, slots: three slots (one leaves a module out, one of low rank), rows of
     the base (-1), runs of one slot longer than a tile, and a slot's rows apart."""
     g = torch.Generator().manual_seed(seed)
@@ -24,13 +28,14 @@ def operands(seed: int = 0, t: int = 13) -> tuple[torch.Tensor, ...]:
     b = torch.randn(3, R, n, generator=g) * 0.1
     ranks = torch.tensor([[5, 0, 8], [8, 8, 8], [1, 3, 2]])
     slots = torch.tensor([-1, 0, 0, 0, 0, 0, 2, 1, -1, 0, 2, 1, 1][:t])
-    return torch.randn(t, n, generator=g), torch.randn(t, K, generator=g), a, b, ranks, slots
+    return torch.randn(t, n, generator=g), torch.randn(t, K, generator=g), a.to(dtype), b.to(dtype), ranks, slots
 
 
 def emulate(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
             slots: torch.Tensor, splits: list[int]) -> torch.Tensor:
-    """csrc/lora.cpp's arithmetic contract step by step in torch (separate products and sums)."""
-    out = y.clone()
+    """csrc/lora.cpp's arithmetic contract step by step in torch (separate products and sums), the
+    slots widened to float32 first (exact for bfloat16)."""
+    out, a, b = y.clone(), a.float(), b.float()
     for t, s in enumerate(slots.tolist()):
         if s < 0:
             continue
@@ -58,18 +63,20 @@ def run(fn, y: torch.Tensor, *args) -> torch.Tensor:  # noqa: ANN001 - an in-pla
     return out
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", variant_params())
-def test_compiled_is_its_contract_bitwise(variant: str) -> None:
-    y, x, a, b, ranks, slots = operands()
+def test_compiled_is_its_contract_bitwise(variant: str, dtype: torch.dtype) -> None:
+    y, x, a, b, ranks, slots = operands(dtype=dtype)
     got = run(compiled(variant).lora_sgmv, y, x, a, b, ranks, slots)
     assert torch.equal(got, emulate(y, x, a, b, ranks, slots, SPLITS))
     assert torch.equal(got[slots < 0], y[slots < 0])  # the base's rows untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fn", [*variant_params(), "torch"])
-def test_each_row_is_the_same_alone_and_in_any_batch(fn: str) -> None:
+def test_each_row_is_the_same_alone_and_in_any_batch(fn: str, dtype: torch.dtype) -> None:
     op = reference.lora_sgmv if fn == "torch" else compiled(fn).lora_sgmv
-    y, x, a, b, ranks, slots = operands(seed=1)
+    y, x, a, b, ranks, slots = operands(seed=1, dtype=dtype)
     batch = run(op, y, x, a, b, ranks, slots)
     for i in range(len(slots)):
         alone = run(op, y[i:i + 1], x[i:i + 1], a, b, ranks, slots[i:i + 1])
@@ -85,10 +92,12 @@ def test_each_row_is_the_same_alone_and_in_any_batch(fn: str) -> None:
         assert torch.equal(run(op, y2[i:i + 1], x2[i:i + 1], a, b, ranks, long[i:i + 1])[0], many[i])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", variant_params())
-def test_the_reference_is_close_and_the_table_dispatches(variant: str) -> None:
-    """Float rounding apart (torch's matmul sums in its own order): a few float32 ulps of the products."""
-    y, x, a, b, ranks, slots = operands(seed=3)
+def test_the_reference_is_close_and_the_table_dispatches(variant: str, dtype: torch.dtype) -> None:
+    """Float rounding apart (torch's matmul sums in its own order): a few float32 ulps of the
+    products, bfloat16 slots too (both widen the same values exactly)."""
+    y, x, a, b, ranks, slots = operands(seed=3, dtype=dtype)
     kernel = run(compiled(variant).lora_sgmv, y, x, a, b, ranks, slots)
     torch.testing.assert_close(run(reference.lora_sgmv, y, x, a, b, ranks, slots), kernel, rtol=1e-5, atol=1e-5)
     table = build_table(variant, compiled(variant).mod)
