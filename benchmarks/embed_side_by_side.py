@@ -7,7 +7,7 @@ Prints one JSON line per (system, round) and a summary: sentences/s, tokens/s, t
 short query, and each system's agreement with sentence-transformers (min cosine, max difference).
 
     python benchmarks/embed_side_by_side.py --sentences 2000 --threads 2 --rounds 1
-        [--llama-server http://127.0.0.1:PORT] [--quantization q8_0]
+        [--llama-server http://127.0.0.1:PORT] [--quantization q8_0] [--st-bfloat16]
 
 Figures: docs/benchmarks.md, "Embeddings: all-MiniLM-L6-v2 against sentence-transformers and llama-server (2026-12-05)"."""
 
@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="URL of llama-server --embedding")
     ap.add_argument("--quantization", default=None, help="lockstep's --quantization (e.g. q8_0)")
     ap.add_argument("--llama-batch", type=int, default=64, help="texts per llama-server call")
+    ap.add_argument("--st-bfloat16", action="store_true",
+                    help="also sentence-transformers with bfloat16 weights and activations (its fast "
+                         "CPU setting), to compare lockstep's --quantization at a like agreement")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from sentence_transformers import SentenceTransformer
@@ -80,6 +83,12 @@ def main() -> None:
         "sentence-transformers": (lambda: st.encode(texts, batch_size=args.batch_size).tolist(),
                                   lambda: st.encode([QUERY]).tolist()),
     }
+    if args.st_bfloat16:
+        st16 = SentenceTransformer(str(resolve_model(MODEL).model_dir), device="cpu",
+                                   model_kwargs={"torch_dtype": torch.bfloat16})
+        systems["sentence-transformers-bf16"] = (
+            lambda: st16.encode(texts, batch_size=args.batch_size, convert_to_tensor=True).float().tolist(),
+            lambda: st16.encode([QUERY], convert_to_tensor=True).float().tolist())
     if args.llama_server:
         import requests
 
