@@ -135,7 +135,8 @@ def test_q8_0_bert_gguf_runs_on_q8_0_blocks(int8: bool, tmp_path: Path) -> None:
 
 def test_decoder_gguf_with_a_pooling_key_embeds_without_the_flag(tmp_path: Path) -> None:
     """A Qwen3 GGUF whose converter wrote qwen3.pooling_type = LAST (Qwen3-Embedding's) embeds as
-    the key says without --is-embedding: bitwise its HF directory's vectors with the flag."""
+    the key says without --is-embedding: bitwise its HF directory's vectors with the flag, given
+    the directory's float32 K/V cache."""
     from lockstep.testing.tiny_models import make_tiny_model, tiny_hf_model
 
     hf_dir = make_tiny_model("qwen3")
@@ -144,5 +145,6 @@ def test_decoder_gguf_with_a_pooling_key_embeds_without_the_flag(tmp_path: Path)
     source = resolve_model(str(path))
     assert pooling_for(source.model_dir, source.hf_config, False) == Pooling("last", True)
     prompts = _ids(hf_dir, sentences(8, seed=4, lines=2))
-    ours = embed_in_process(make_scheduler(path), prompts)
+    # a GGUF's K/V cache is float16 by default (as llama.cpp's); the directory's is float32
+    ours = embed_in_process(make_scheduler(path, kv_cache_dtype="float32"), prompts)
     assert ours == embed_in_process(make_scheduler(hf_dir, is_embedding=True), prompts)
