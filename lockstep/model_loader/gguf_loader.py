@@ -2,7 +2,9 @@
 an HF config, a fast tokenizer and `gguf_tensors.json`, which maps each HF parameter to its bytes
 in the GGUF (offset, length, GGML type, HF shape) and the transform undoing llama.cpp's (Gemma's
 norm + 1, Llama's q/k permutation); `weights.py` memory-maps them, in their quantized blocks.
-Hyper-parameters the GGUF leaves implicit take the value llama.cpp hard-codes for the family."""
+Hyper-parameters the GGUF leaves implicit take the value llama.cpp hard-codes for the family.
+BERT encoders are one more architecture here; what is theirs alone (the WordPiece vocabulary) and
+the pooling key any GGUF may carry are gguf_encoder's."""
 
 from __future__ import annotations
 
