@@ -2,7 +2,9 @@
 an HF config, a fast tokenizer and `gguf_tensors.json`, which maps each HF parameter to its bytes
 in the GGUF (offset, length, GGML type, HF shape) and the transform undoing llama.cpp's (Gemma's
 norm + 1, Llama's q/k permutation); `weights.py` memory-maps them, in their quantized blocks.
-Hyper-parameters the GGUF leaves implicit take the value llama.cpp hard-codes for the family."""
+Hyper-parameters the GGUF leaves implicit take the value llama.cpp hard-codes for the family.
+BERT encoders are one more architecture here; what is theirs alone (the WordPiece vocabulary) and
+the pooling key any GGUF may carry are gguf_encoder's."""
 
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ import torch
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from lockstep.model_loader.gguf_encoder import (
+    bert_config_fields,
+    f32,
+    wordpiece_tokenizer,
+    write_pooling_modules,
+)
 from lockstep.model_loader.layout import TENSOR_INDEX, ModelLoadError
 from lockstep.model_loader.stop_tokens import END_OF_TURN_TOKENS
 
@@ -34,9 +42,23 @@ _LAYER_NAMES = {
 _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                        "post_attention_norm": "post_attention_layernorm",
                        "post_ffw_norm": "post_feedforward_layernorm"}
+# BERT (llama.cpp's `bert`, written from a BertModel: its pooler is dropped)
+_BERT_GLOBAL_NAMES = {"token_embd": "embeddings.word_embeddings",
+                      "token_types": "embeddings.token_type_embeddings",
+                      "position_embd": "embeddings.position_embeddings",
+                      "token_embd_norm": "embeddings.LayerNorm"}
+_BERT_LAYER_NAMES = {
+    "attn_q": "attention.self.query", "attn_k": "attention.self.key",
+    "attn_v": "attention.self.value", "attn_output": "attention.output.dense",
+    "attn_output_norm": "attention.output.LayerNorm", "ffn_up": "intermediate.dense",
+    "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+# arch -> (global names, per-layer names, the HF prefix of layer N)
+_NAMES = {"bert": (_BERT_GLOBAL_NAMES, _BERT_LAYER_NAMES, "encoder.layer.{}."),
+          "gemma3": (_GLOBAL_NAMES, _GEMMA3_LAYER_NAMES, "model.layers.{}.")}
+_DECODER_NAMES = (_GLOBAL_NAMES, _LAYER_NAMES, "model.layers.{}.")
 # The GGUF architectures supported, and the HF class of each.
 _HF_ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM",
-                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "bert": "BertModel"}
 
 
 def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
@@ -44,12 +66,12 @@ def hf_tensor_name(arch: str, gguf_name: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    global_names, table, layer_prefix = _NAMES.get(arch, _DECODER_NAMES)
+    if base in global_names:
+        return f"{global_names[base]}.{suffix}"
     parts = base.split(".")
-    table = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in table:
-        return f"model.layers.{parts[1]}.{table[parts[2]]}.{suffix}"
+        return f"{layer_prefix.format(parts[1])}{table[parts[2]]}.{suffix}"
     return None
 
 
@@ -72,6 +94,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         {"gguf_size": gguf_path.stat().st_size, "tensors": index}, indent=1) + "\n")
     config.save_pretrained(str(out_dir))
     _write_tokenizer(gguf_path, meta, config, out_dir)
+    write_pooling_modules(meta, out_dir)
 
 
 class _Metadata:
@@ -101,18 +124,12 @@ class _Metadata:
         return value
 
 
-def _f32(value: Any) -> float:
-    # GGUF stores float32; its shortest repr is the value the model's authors wrote (1e-06, not
-    # 9.99999997e-07), so the config reads like the original.
-    return float(str(np.float32(value)))
-
-
 def _rope(meta: _Metadata, default_theta: float) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": "default",
-                              "rope_theta": _f32(meta.arch_get("rope.freq_base", default_theta))}
+                              "rope_theta": f32(meta.arch_get("rope.freq_base", default_theta))}
     kind = meta.arch_get("rope.scaling.type")
     if kind in ("linear", "yarn"):
-        params.update(rope_type=kind, factor=_f32(meta.require("rope.scaling.factor")))
+        params.update(rope_type=kind, factor=f32(meta.require("rope.scaling.factor")))
         original = meta.arch_get("rope.scaling.original_context_length")
         if kind == "yarn" and original:
             params["original_max_position_embeddings"] = int(original)
@@ -151,6 +168,8 @@ def build_config(meta: _Metadata, tensors: dict[str, ReaderTensor]) -> Any:
     arch = meta.arch
     if (embed := tensors.get("token_embd.weight")) is None:
         raise ModelLoadError(f"{meta.path}: no token_embd.weight tensor")
+    if arch == "bert":
+        return AutoConfig.for_model("bert", **bert_config_fields(meta, tensors))
     hidden = int(meta.require("embedding_length"))
     n_layers = int(meta.require("block_count"))
     n_heads = int(meta.require("attention.head_count"))
@@ -168,7 +187,7 @@ def build_config(meta: _Metadata, tensors: dict[str, ReaderTensor]) -> Any:
         "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv), "head_dim": head_dim,
         "max_position_embeddings": int(meta.require("context_length")),
-        "rms_norm_eps": _f32(meta.require("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": f32(meta.require("attention.layer_norm_rms_epsilon")),
         # llama.cpp drops output.weight when it is the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -209,12 +228,12 @@ def _gemma3_extras(meta: _Metadata, common: dict[str, Any]) -> dict[str, Any]:
             "full_attention": _rope(meta, 1_000_000.0),
             # GGUF rarely records the local base; llama.cpp hard-codes Gemma 3's 10k.
             "sliding_attention": {"rope_type": "default",
-                                  "rope_theta": _f32(meta.arch_get("rope.freq_base_swa", 10000.0))},
+                                  "rope_theta": f32(meta.arch_get("rope.freq_base_swa", 10000.0))},
         },
     }
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if (value := meta.arch_get(key)) is not None:
-            extras[key] = _f32(value)
+            extras[key] = f32(value)
     return extras
 
 
@@ -244,11 +263,13 @@ def _tensor_index(reader: GGUFReader, meta: _Metadata, config: Any) -> dict[str,
 def _check_shapes(index: dict[str, dict[str, Any]], config: Any, gguf_path: Path) -> None:
     """Every tensor the model class wants, in the shape it wants (read off a weightless,
     meta-device instance), and no other."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
+    encoder = config.model_type == "bert"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+        model = (AutoModel if encoder else AutoModelForCausalLM).from_config(config)
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()
+                if not (encoder and name.startswith("pooler."))}  # llama.cpp drops the pooler
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     for name, entry in index.items():
@@ -264,8 +285,13 @@ def _write_tokenizer(gguf_path: Path, meta: _Metadata, config: Any, out_dir: Pat
     from transformers import AutoTokenizer
 
     try:
-        tok = (_tokenizer_class(config) or AutoTokenizer).from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name)
+        if meta.get("tokenizer.ggml.model") == "bert":  # transformers reads no WordPiece GGUF
+            tok = wordpiece_tokenizer(meta)
+        else:
+            tok = (_tokenizer_class(config) or AutoTokenizer).from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ModelLoadError:
+        raise
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: cannot build a tokenizer from its metadata: {e}") from e
     template = meta.get("tokenizer.chat_template")

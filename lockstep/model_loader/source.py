@@ -28,7 +28,8 @@ from lockstep.utils.cache import cache_lock
 logger = logging.getLogger(__name__)
 
 # Bump when the conversion output changes, so caches written by older code get rebuilt.
-CONVERSION_FORMAT = 2
+# 3: a GGUF's pooling key is written as sentence-transformers modules (gguf_encoder).
+CONVERSION_FORMAT = 3
 # Format 1 wrote float32 safetensors into <sha256[:16]>/; this one keeps the GGUF's blocks.
 _CACHE_SUFFIX = "-blocks"
 CONVERSION_MARKER = "lockstep_conversion.json"
@@ -144,8 +145,8 @@ def _convert_into(path: Path, digest: str, target: Path) -> None:
         marker = {"format": CONVERSION_FORMAT, "source": str(path), "sha256": digest}
         (tmp / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         # mkdtemp and some writers create owner-only entries; a cache may be shared by users.
-        for entry in tmp.iterdir():
-            entry.chmod(0o644)
+        for entry in tmp.rglob("*"):
+            entry.chmod(0o755 if entry.is_dir() else 0o644)
         tmp.chmod(0o755)
         if target.exists():  # an outdated or damaged entry: move it aside, never half-delete it
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_dir))

@@ -62,11 +62,13 @@ def _activation(name: str):  # noqa: ANN202 - a torch elementwise function
 
 
 class _Table(nn.Module):
-    """A small replicated lookup table (positions, segments)."""
+    """A small replicated lookup table (positions, segments); a GGUF's (F32 blocks, as llama.cpp's
+    converter writes it) is read into floats once."""
 
     def __init__(self, rows: int, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _param((rows, dim), dtype, lambda p, t: _copy(p, t, "embedding table"))
+        self.weight = _param((rows, dim), dtype, lambda p, t: _copy(
+            p, t.dequantize().to(dtype) if isinstance(t, BlockWeight) else t, "embedding table"))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

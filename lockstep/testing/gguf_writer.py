@@ -2,7 +2,9 @@
 ``convert_hf_to_gguf.py`` would write them: its tensor names (``gguf.get_tensor_name_map``), its
 transforms (llama's q/k permutation, Gemma's norm + 1, llama3's ``rope_freqs``) and the tiny
 tokenizer's vocabulary and merges. Loading one back (blocks dequantized) must reproduce the HF
-weights, so the loader's GGUF path is tested without downloading anything.
+weights, so the loader's GGUF path is tested without downloading anything. `write_bert_gguf`
+converts an HF BERT directory (``tiny_encoders.make_tiny_encoder``) as the converter's BertModel
+does: the one place the tests hold llama.cpp's BERT names, keys and phantom-space vocabulary.
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def _blocks(a: np.ndarray, kind: QTYPE, name: str) -> np.ndarray:
 
 def write_gguf(model: torch.nn.Module, arch: str, path: Path, *, quantize: bool = False,
                chat_template: str | None = None,
-               qtype_of: Callable[[str], QTYPE | None] | None = None) -> Path:
+               qtype_of: Callable[[str], QTYPE | None] | None = None,
+               pooling_type: gguf.PoolingType | None = None) -> Path:
     """Write ``model`` (a tiny HF model of ``arch``) to ``path``. quantize: matrices in Q8_0, the
     embedding in F16; qtype_of(gguf name) -> a GGMLQuantizationType (or None: float32) chooses
-    per matrix instead (see _blocks for the types gguf.quants cannot quantize)."""
+    per matrix instead (see _blocks for the types gguf.quants cannot quantize); pooling_type: the
+    key the converter writes from a sentence-transformers directory (Qwen3-Embedding's LAST)."""
     cfg = model.config
     tokens, merges = _tiny_vocab()
     if cfg.vocab_size != len(tokens):
@@ -108,6 +112,8 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, *, quantize: bool 
     w.add_unk_token_id(tokens.index("<unk>"))
     if chat_template:
         w.add_chat_template(chat_template)
+    if pooling_type is not None:
+        w.add_pooling_type(pooling_type)
     names = gguf.get_tensor_name_map(GGUF_ARCH[arch], cfg.num_hidden_layers)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -128,6 +134,101 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, *, quantize: bool 
             kind = qtype_of(gname)
         if kind is not None:
             w.add_tensor(gname, _blocks(a, kind, gname), raw_dtype=kind)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# convert_hf_to_gguf.py's _try_set_pooling_type: 1_Pooling/config.json's flag -> the pooling key
+_POOLING_TYPES = {"pooling_mode_mean_tokens": gguf.PoolingType.MEAN,
+                  "pooling_mode_cls_token": gguf.PoolingType.CLS,
+                  "pooling_mode_lasttoken": gguf.PoolingType.LAST}
+
+
+def _phantom(token: str, kind: gguf.TokenType) -> str:
+    # convert_hf_to_gguf.py BertModel.set_vocab's phantom(): llama.cpp marks word starts, not
+    # continuations
+    if kind == gguf.TokenType.CONTROL:
+        return token
+    return token[2:] if token.startswith("##") else "\u2581" + token
+
+
+def _bert_vocab(tokenizer: dict, n_vocab: int) -> tuple[list[str], list[gguf.TokenType]]:
+    """(tokens, types) by id as get_vocab_base gives them: special added tokens are CONTROL, ids
+    without a token are "[PAD{i}]" UNUSED, the rest NORMAL; then the phantom spaces."""
+    by_id = {i: t for t, i in tokenizer["model"]["vocab"].items()}
+    special = {a["id"] for a in tokenizer["added_tokens"] if a["special"]}
+    by_id.update({a["id"]: a["content"] for a in tokenizer["added_tokens"]})
+    tokens, types = [], []
+    for i in range(n_vocab):
+        kind = (gguf.TokenType.UNUSED if i not in by_id else
+                gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
+        tokens.append(_phantom(by_id.get(i, f"[PAD{i}]"), kind))
+        types.append(kind)
+    return tokens, types
+
+
+def write_bert_gguf(model_dir: Path, path: Path, *, qtype: QTYPE | None = None) -> Path:
+    """The GGUF llama.cpp's converter writes from the HF BERT directory `model_dir`: its
+    hyper-parameters (bidirectional), the pooling its modules.json names, the phantom-space
+    vocabulary, the special ids and normalizer flags of its tokenizer files, and its tensors minus
+    the pooler. qtype: the matrices (token_embd too, not positions or segments) in those blocks,
+    as ``--outtype q8_0`` writes them; else float32."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    n_layers = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.BERT])
+    w.add_name(model_dir.name)
+    w.add_block_count(n_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_causal_attention(False)
+    if (model_dir / "modules.json").is_file():
+        modules = json.loads((model_dir / "modules.json").read_text())
+        pooling = next(m["path"] for m in modules if m["type"].endswith("Pooling"))
+        flags = json.loads((model_dir / pooling / "config.json").read_text())
+        w.add_pooling_type(next(t for f, t in _POOLING_TYPES.items() if flags.get(f)))
+    w.add_token_type_count(cfg.get("type_vocab_size", 1))
+    tokens, types = _bert_vocab(tokenizer, cfg["vocab_size"])
+    w.add_tokenizer_model("bert")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    # gguf.SpecialVocab: BERT's [CLS] is the BOS id, its [SEP] the EOS and separator ids
+    w.add_bos_token_id(ids[tok_config["cls_token"]])
+    w.add_eos_token_id(ids[tok_config["sep_token"]])
+    w.add_unk_token_id(ids[tok_config["unk_token"]])
+    w.add_sep_token_id(ids[tok_config["sep_token"]])
+    w.add_pad_token_id(ids[tok_config["pad_token"]])
+    w.add_mask_token_id(ids[tok_config["mask_token"]])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(True)
+    normalizer = tokenizer["normalizer"]  # gguf.SpecialVocab._parse_normalizer, BertNormalizer
+    if normalizer.get("lowercase") is not None:
+        w.add_bool("tokenizer.ggml.normalizer.lowercase", normalizer["lowercase"])
+    if normalizer.get("strip_accents") is not None:
+        w.add_bool("tokenizer.ggml.normalizer.strip_accents", normalizer["strip_accents"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, n_layers)
+    for name, a in load_file(str(model_dir / "model.safetensors")).items():
+        name = name.removeprefix("bert.")
+        if name.startswith(("pooler.", "embeddings.position_ids")):
+            continue  # BertModel.filter_tensors: embeddings need no pooler
+        base, suffix = name.rsplit(".", 1)
+        gname = f"{names.get_name(base)}.{suffix}"
+        a = a.astype(np.float32)
+        if qtype is not None and a.ndim == 2 and not gname.startswith(("position_embd", "token_types")):
+            w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, a)
     w.write_header_to_file()

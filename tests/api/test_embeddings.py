@@ -235,6 +235,31 @@ def test_tp2_and_dp2_give_the_bits_of_one_rank(flags: tuple[str, str], tmp_path:
     assert [g["embedding"] for g in got] == ref
 
 
+@pytest.mark.server
+def test_a_bert_gguf_serves_the_vectors_of_its_hf_directory(tmp_path: Path) -> None:
+    """A tiny mean-pooling BERT's GGUF, as llama.cpp's converter writes it, served by its path
+    alone (the kind and pooling read from the GGUF): /v1/embeddings gives bitwise the in-process
+    vectors of the HF directory it came from, and counts the HF tokenizer's ids."""
+    from transformers import AutoTokenizer
+
+    from lockstep.testing.embedding_oracle import embed_in_process
+    from lockstep.testing.gguf_writer import write_bert_gguf
+    from lockstep.testing.inproc import make_scheduler
+
+    hf_dir = make_tiny_encoder("embed-mean")
+    path = write_bert_gguf(hf_dir, tmp_path / "tiny-bert.gguf")
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    ids = [tok(t).input_ids for t in TEXTS]
+    ref = embed_in_process(make_scheduler(hf_dir), ids)
+    srv = LiveServer("--model-path", str(path), log_dir=tmp_path, startup_timeout=180)
+    try:
+        reply = _post(srv, "/v1/embeddings", {"model": str(path), "input": TEXTS}).json()
+    finally:
+        srv.stop_cleanly()
+    assert _vectors(reply).tolist() == ref
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, ids))
+
+
 def test_sglang_score_gives_transformers_label_probabilities(llama_server: LiveServer,
                                                              model_dir: Path) -> None:
     """/v1/score on a generation server: per item, the probability of each label token right after
