@@ -136,12 +136,17 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, *, quantize: bool 
             w.add_tensor(gname, _blocks(a, kind, gname), raw_dtype=kind)
         else:
             w.add_tensor(gname, a)
+    return _finish(w, path)
+
+
+
+def _finish(w: gguf.GGUFWriter, path: Path) -> Path:
+    """Writes what `w` holds to its file, in GGUF's order (header, key-values, tensors)."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
-
 
 # convert_hf_to_gguf.py's _try_set_pooling_type: 1_Pooling/config.json's flag -> the pooling key
 _POOLING_TYPES = {"pooling_mode_mean_tokens": gguf.PoolingType.MEAN,
@@ -231,8 +236,4 @@ def write_bert_gguf(model_dir: Path, path: Path, *, qtype: QTYPE | None = None) 
             w.add_tensor(gname, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _finish(w, path)

@@ -301,20 +301,26 @@ print(json.dumps({"docs": emb.embed_documents(json.loads(TEXTS_JSON)), "query": 
 '''
 
 
-def test_langchain_openai_embeddings(minilm_server: LiveServer, st_vectors: torch.Tensor,
-                                               tmp_path_factory: pytest.TempPathFactory,
-                                               tmp_path: Path) -> None:
+def _client_gets_the_vectors(server: LiveServer, st_vectors: torch.Tensor, packages: list[str],
+                             program: str, venvs: Path, tmp_path: Path) -> None:
+    """A client framework in its own venv embeds TEXTS and a query through the live server: the
+    documents are sentence-transformers' vectors, the query the server's own."""
     from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv, run_client
 
     try:
-        python = client_venv(tmp_path_factory.getbasetemp().parent, ["langchain-openai==1.7.4"])
+        python = client_venv(venvs, packages)
     except PackageIndexUnreachable as e:
         pytest.skip(str(e))
-    program = LANGCHAIN_PROGRAM.replace("TEXTS_JSON", repr(json.dumps(TEXTS)))
-    out = run_client(python, program, minilm_server.url, tmp_path)
+    out = run_client(python, program.replace("TEXTS_JSON", repr(json.dumps(TEXTS))), server.url, tmp_path)
     assert (torch.tensor(out["docs"]) - st_vectors).abs().max().item() < 1e-5
-    ref = _vectors(_post(minilm_server, "/v1/embeddings", {"input": "hello"}).json())[0]
+    ref = _vectors(_post(server, "/v1/embeddings", {"input": "hello"}).json())[0]
     assert (torch.tensor(out["query"]) - ref).abs().max().item() < 1e-6
+
+
+def test_langchain_openai_embeddings(minilm_server: LiveServer, st_vectors: torch.Tensor,
+                                     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    _client_gets_the_vectors(minilm_server, st_vectors, ["langchain-openai==1.7.4"], LANGCHAIN_PROGRAM,
+                             tmp_path_factory.getbasetemp().parent, tmp_path)
 
 
 LLAMA_INDEX_PROGRAM = r'''
@@ -331,15 +337,5 @@ def test_llama_index_openai_like_embedding(minilm_server: LiveServer, st_vectors
                                            tmp_path_factory: pytest.TempPathFactory,
                                            tmp_path: Path) -> None:
     """llama-index's OpenAILikeEmbedding, unchanged (no option needed: it sends the texts)."""
-    from lockstep.testing.client_venv import PackageIndexUnreachable, client_venv, run_client
-
-    try:
-        python = client_venv(tmp_path_factory.getbasetemp().parent,
-                             ["llama-index-embeddings-openai-like==0.4.0"])
-    except PackageIndexUnreachable as e:
-        pytest.skip(str(e))
-    program = LLAMA_INDEX_PROGRAM.replace("TEXTS_JSON", repr(json.dumps(TEXTS)))
-    out = run_client(python, program, minilm_server.url, tmp_path)
-    assert (torch.tensor(out["docs"]) - st_vectors).abs().max().item() < 1e-5
-    ref = _vectors(_post(minilm_server, "/v1/embeddings", {"input": "hello"}).json())[0]
-    assert (torch.tensor(out["query"]) - ref).abs().max().item() < 1e-6
+    _client_gets_the_vectors(minilm_server, st_vectors, ["llama-index-embeddings-openai-like==0.4.0"],
+                             LLAMA_INDEX_PROGRAM, tmp_path_factory.getbasetemp().parent, tmp_path)
