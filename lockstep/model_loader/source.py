@@ -114,11 +114,22 @@ def _load_cached(target: Path, origin: str, gguf_path: Path) -> ModelSource | No
     if not isinstance(marker, dict) or marker.get("format") != CONVERSION_FORMAT:
         return None
     try:
-        return _load_converted(target, origin, gguf_path)
+        source = _load_converted(target, origin, gguf_path)
     except ModelLoadError as e:
         # The cache is ours to rebuild: a damaged one is replaced, not reported.
         logger.warning("%s: damaged cache entry, converting again: %s", target, e)
         return None
+    recorded = marker.get("source")
+    if recorded != str(gguf_path) and not (isinstance(recorded, str) and Path(recorded).is_file()):
+        # The entry is keyed by content: the file it was converted from may be gone (a deleted copy,
+        # a test's temporary directory) while this one has the same bytes. Its marker names a file
+        # that exists, so what reads the weights from the marker finds them.
+        marker["source"] = str(gguf_path)
+        with contextlib.suppress(OSError):  # a read-only shared cache keeps its old marker
+            tmp = target / f".{CONVERSION_MARKER}.{os.getpid()}"
+            tmp.write_text(json.dumps(marker, indent=2) + "\n")
+            os.replace(tmp, target / CONVERSION_MARKER)
+    return source
 
 
 def _load_converted(target: Path, origin: str, gguf_path: Path) -> ModelSource:
