@@ -139,7 +139,6 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, *, quantize: bool 
     return _finish(w, path)
 
 
-
 def _finish(w: gguf.GGUFWriter, path: Path) -> Path:
     """Writes what `w` holds to its file, in GGUF's order (header, key-values, tensors)."""
     w.write_header_to_file()
@@ -147,6 +146,7 @@ def _finish(w: gguf.GGUFWriter, path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
 
 # convert_hf_to_gguf.py's _try_set_pooling_type: 1_Pooling/config.json's flag -> the pooling key
 _POOLING_TYPES = {"pooling_mode_mean_tokens": gguf.PoolingType.MEAN,
