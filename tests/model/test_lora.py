@@ -86,20 +86,32 @@ def test_a_request_is_the_same_alone_and_in_a_mixed_batch(adapters) -> None:
 
 
 @pytest.mark.skipif(not compiled("decoder_layer"), reason="no compiled one-call layer in this process")
-def test_one_call_layers_run_the_adapters_as_the_modules_do(adapters) -> None:
+@pytest.mark.parametrize("weights", ["float", "q8_0-int8"])
+def test_one_call_layers_run_the_adapters_as_the_modules_do(adapters, weights, tmp_path) -> None:
     """The one-call decoder layer with adapter slots gives the module path's bits: adapters' rows
-    and the base's in one batch, prefill and decode."""
+    and the base's in one batch, prefill and decode; on float weights (the exact path) and on Q8_0
+    blocks under int8 activations, where a decode of a few rows runs each linear's adapters inside
+    the base matmul's parallel region (csrc/int8.cpp) rather than after it."""
+    from lockstep.testing.gguf_writer import write_gguf
+    from lockstep.testing.tiny_models import tiny_hf_model
+
     model = adapters["all"][0]
     prompts = tiny_prompts(model, 2, seed=7)
+    if weights == "float":
+        served, kw = model, {}
+        batch = [(p, n) for p in prompts for n in ("all", "qv", None)]
+    else:  # four rows: the one-row kernel's limit is five on AVX-512
+        served, kw = write_gguf(tiny_hf_model("llama"), "llama", tmp_path / "q8.gguf", quantize=True), {
+            "int8_activations": True}
+        batch = [(prompts[0], "all"), (prompts[0], "qv"), (prompts[0], None), (prompts[1], "all")]
     out = {}
     for mode in ("one call", "modules"):
-        sched = _serve(model, adapters, ["all", "qv"])
+        sched = _serve(served, adapters, ["all", "qv"], **kw)
         runner_model = sched.worker.runner.model
         assert all(p is not None for p in runner_model.one_call_args), "every layer should run in one call"
         if mode == "modules":
             runner_model.one_call_args = [None] * len(runner_model.one_call_args)
-        got = run_to_completion(sched, [_req(f"{n}-{i}", p, n) for i, p in enumerate(prompts)
-                                        for n in ("all", "qv", None)])
+        got = run_to_completion(sched, [_req(f"{n}-{i}", p, n) for i, (p, n) in enumerate(batch)])
         out[mode] = {rid: (o.output_ids, o.logprobs) for rid, o in got.items()}
     assert out["one call"] == out["modules"]
 

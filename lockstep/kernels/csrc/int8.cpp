@@ -529,8 +529,8 @@ bool int8_supported() {
 // The parts of a fused layer (qkv, gate/up), each of its own block type, side by side in y: x quantized
 // once, and on the rows path (row_lanes) one parallel region over every part's tiles (the narrow k and v
 // projections alone would not fill two threads, and each region is a fork and a join).
-at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
-                             const std::vector<int64_t>& types, int64_t k) {
+at::Tensor linear_int8_parts_lora(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
+                                  const std::vector<int64_t>& types, int64_t k, const LoraOperands* lora) {
   TORCH_CHECK(!blocks.empty() && blocks.size() == types.size(), "one block type per part");
   for (const auto& b : blocks) check_blocks(b, k);
   check_x_f32(x, k);
@@ -556,7 +556,8 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
       }
     std::vector<int64_t> first_tile(static_cast<size_t>(parts) + 1, 0);
     for (int64_t p = 0; p < parts; ++p) first_tile[p + 1] = first_tile[p] + (blocks[p].size(0) + 15) / 16;
-    at::parallel_for(0, first_tile[parts], 8, [&](int64_t t0, int64_t t1) {
+    const int64_t tiles = first_tile[parts];
+    auto base = [&](int64_t t0, int64_t t1) {
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t lo = std::max(t0, first_tile[p]), hi = std::min(t1, first_tile[p + 1]);
         if (lo >= hi) continue;
@@ -566,7 +567,20 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
                                    n_total, m, b.size(0), k, lo - first_tile[p], hi - first_tile[p]);
         });
       }
-    });
+    };
+    if (!lora) {
+      at::parallel_for(0, tiles, 8, base);
+      return y;
+    }
+    // the adapters' products in the same region: the shrink beside the base's tiles, the expand after
+    // a barrier (one fork a linear instead of two)
+    LoraPlan plan(x, *lora);
+    for (int64_t p = 0; p < parts; ++p) dispatch_int8(types[p], [](auto) {});  // throws here, not in the region
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max((tiles + 7) / 8, plan.items()));
+    plan.run(threads, [&](int64_t part, int64_t n_parts) {
+      const int64_t chunk = (tiles + n_parts - 1) / n_parts;
+      base(std::min(tiles, part * chunk), std::min(tiles, (part + 1) * chunk));
+    }, yp, n_total);
     return y;
   }
   XInt8 xp;
@@ -587,7 +601,16 @@ at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>&
       });
     }
   }
+  if (lora) {
+    LoraPlan plan(x, *lora);
+    if (!plan.empty()) plan.run(std::min<int64_t>(at::get_num_threads(), plan.items()), nullptr, yp, n_total);
+  }
   return y;
+}
+
+at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
+                             const std::vector<int64_t>& types, int64_t k) {
+  return linear_int8_parts_lora(x, blocks, types, k, nullptr);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t k) {

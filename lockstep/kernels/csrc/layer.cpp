@@ -12,23 +12,28 @@
 namespace lockstep {
 namespace {
 
-// block_weight.matmul_parts, then the bias: a lone float part is the layer's own float weight (torch's
-// linear with the bias, as the module runs it); all-exact parts in one linear_parts call, all-int8 ones
-// in one linear_int8_parts call; else one matmul per part, each on its kind's kernel
+// block_weight.matmul_parts, then the bias, then the adapters' products (lora, or null): a lone float part
+// is the layer's own float weight (torch's linear with the bias, as the module runs it); all-exact parts
+// in one linear_parts call, all-int8 ones in one linear_int8_parts call (which also runs the adapters'
+// products where no bias comes between: the same bits as lora_sgmv after it, one parallel region fewer);
+// else one matmul per part, each on its kind's kernel
 at::Tensor parts_matmul(const at::Tensor& x, const LayerConsts& c, int64_t lo, int64_t hi, int64_t k,
-                        const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& bias, const LoraOperands* lora) {
   const auto& w = c.weights;
-  if (hi - lo == 1 && c.kinds[lo] == PartKind::kFloat) return at::linear(x, w[lo], bias);
   bool exact = true, int8 = true;
   for (int64_t i = lo; i < hi; ++i) {
     exact = exact && c.kinds[i] == PartKind::kExact;
     int8 = int8 && c.kinds[i] == PartKind::kInt8;
   }
   at::Tensor y;
-  if (exact || int8) {
+  if (hi - lo == 1 && c.kinds[lo] == PartKind::kFloat) {
+    y = at::linear(x, w[lo], bias);
+  } else if (exact || int8) {
     const std::vector<at::Tensor> ws(w.begin() + lo, w.begin() + hi);
     const std::vector<int64_t> ts(c.block_types.begin() + lo, c.block_types.begin() + hi);
+    if (int8 && lora && !bias) return linear_int8_parts_lora(x.contiguous(), ws, ts, k, lora);
     y = exact ? linear_parts(x.contiguous(), ws, ts, k) : linear_int8_parts(x.contiguous(), ws, ts, k);
+    if (bias) y = y + *bias;
   } else {
     std::vector<at::Tensor> outs;
     for (int64_t i = lo; i < hi; ++i) {
@@ -39,8 +44,10 @@ at::Tensor parts_matmul(const at::Tensor& x, const LayerConsts& c, int64_t lo, i
       }
     }
     y = outs.size() == 1 ? outs[0] : at::cat(outs, -1);
+    if (bias) y = y + *bias;
   }
-  return bias ? y + *bias : y;
+  if (lora) lora_sgmv(y, x, lora->a, lora->b, lora->ranks, lora->slots, lora->splits);
+  return y;
 }
 
 }  // namespace
@@ -56,10 +63,10 @@ at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Te
   auto matmul = [&](const at::Tensor& x, int i, const c10::optional<at::Tensor>& bias) {
     const int64_t lo = at_part;
     at_part += c.part_counts[i];
-    at::Tensor y = parts_matmul(x, c, lo, at_part, c.in_features[i], bias);
-    if (lora_slots && !c.lora_a.empty() && c.lora_a[i].numel())
-      lora_sgmv(y, x, c.lora_a[i], c.lora_b[i], c.lora_ranks[i], *lora_slots, c.lora_splits[i]);
-    return y;
+    if (!lora_slots || c.lora_a.empty() || !c.lora_a[i].numel())
+      return parts_matmul(x, c, lo, at_part, c.in_features[i], bias, nullptr);
+    const LoraOperands lora{c.lora_a[i], c.lora_b[i], c.lora_ranks[i], *lora_slots, c.lora_splits[i]};
+    return parts_matmul(x, c, lo, at_part, c.in_features[i], bias, &lora);
   };
   const int64_t hq = c.n_q, hk = c.n_kv, dh = c.head_dim;
   // attention: input norm, qkv, q/k norms and rotary in place, KV written, every row's attention

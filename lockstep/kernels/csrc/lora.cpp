@@ -130,65 +130,55 @@ void by_rows(int64_t rows, F f) {  // f(MT as a constant) for a tile of `rows` (
   }
 }
 
-struct Item {
-  int64_t row0, rows, slot, module, lo, hi;  // a tile of one slot's rows; A rows or columns [lo, hi)
-};
-
-struct Work {
-  std::vector<Item> shrink, expand;
-  const float* x;
-  float* y;
-  float* u;  // each row's shrink results, [T, M R]
-  int64_t xs, ys, us, k, n, m, r_max;
-  const int64_t* ranks;
-};
+// which part of n items part `part` of `parts` takes (contiguous, as OpenMP's static schedule)
+std::pair<int64_t, int64_t> share(int64_t n, int64_t part, int64_t parts) {
+  const int64_t chunk = (n + parts - 1) / parts;
+  return {std::min(n, part * chunk), std::min(n, (part + 1) * chunk)};
+}
 
 template <class W>
-void run(const Work& wk, const W* ap, const W* bp) {
-  const int64_t n_shrink = static_cast<int64_t>(wk.shrink.size()), n_expand = static_cast<int64_t>(wk.expand.size());
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n_expand));
-  const int64_t us = wk.us, k = wk.k, r_max = wk.r_max;
-  // One parallel region for both phases, a barrier between them (the expand reads every shrink
-  // result): one fork per linear, not two, which one user's decode step feels (120 linears a step).
-#pragma omp parallel num_threads(threads) if (threads > 1 && !omp_in_parallel())
-  {
-#pragma omp for schedule(static)
-    for (int64_t w = 0; w < n_shrink; ++w) {
-      const Item& it = wk.shrink[w];
-      const W* arows = ap + (it.slot * us + it.module * r_max) * k;
-      float* urow = wk.u + it.row0 * us + it.module * r_max;
-      by_rows(it.rows, [&](auto mt) {
-        shrink_rows<decltype(mt)::value>(wk.x + it.row0 * wk.xs, wk.xs, arows, k, urow, us, it.lo, it.hi);
-      });
-    }
-#pragma omp for schedule(static)
-    for (int64_t w = 0; w < n_expand; ++w) {
-      const Item& it = wk.expand[w];
-      const float* urow = wk.u + it.row0 * us + it.module * r_max;
-      const int64_t r = wk.ranks[it.slot * wk.m + it.module];
-      by_rows(it.rows, [&](auto mt) {
-        expand_cols<decltype(mt)::value>(urow, us, bp + it.slot * r_max * wk.n, wk.n, r, wk.y + it.row0 * wk.ys,
-                                         wk.ys, it.lo, it.hi);
-      });
-    }
+void shrink_items(const LoraPlan::Items& items, const float* x, int64_t xs, const W* ap, float* u, int64_t us,
+                  int64_t k, int64_t r_max, int64_t part, int64_t parts) {
+  const auto [w0, w1] = share(static_cast<int64_t>(items.size()), part, parts);
+  for (int64_t w = w0; w < w1; ++w) {
+    const LoraPlan::Item& it = items[w];
+    const W* arows = ap + (it.slot * us + it.module * r_max) * k;
+    float* urow = u + it.row0 * us + it.module * r_max;
+    by_rows(it.rows, [&](auto mt) {
+      shrink_rows<decltype(mt)::value>(x + it.row0 * xs, xs, arows, k, urow, us, it.lo, it.hi);
+    });
+  }
+}
+
+template <class W>
+void expand_items(const LoraPlan::Items& items, const float* u, int64_t us, const W* bp, const int64_t* ranks,
+                  int64_t m, int64_t n, int64_t r_max, float* y, int64_t ys, int64_t part, int64_t parts) {
+  const auto [w0, w1] = share(static_cast<int64_t>(items.size()), part, parts);
+  for (int64_t w = w0; w < w1; ++w) {
+    const LoraPlan::Item& it = items[w];
+    const float* urow = u + it.row0 * us + it.module * r_max;
+    by_rows(it.rows, [&](auto mt) {
+      expand_cols<decltype(mt)::value>(urow, us, bp + it.slot * r_max * n, n, ranks[it.slot * m + it.module],
+                                       y + it.row0 * ys, ys, it.lo, it.hi);
+    });
   }
 }
 
 }  // namespace
 
-void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-               const at::Tensor& ranks, const at::Tensor& slots, const std::vector<int64_t>& splits) {
+LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
+  const at::Tensor &a = op.a, &b = op.b, &ranks = op.ranks, &slots = op.slots;
+  const auto& splits = op.splits;
   const int64_t t = x.size(0), k = x.size(1), m = static_cast<int64_t>(splits.size()) - 1;
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
-                  x.stride(1) == 1 && y.stride(1) == 1 && y.size(0) == t && k % 32 == 0,
-              "lora_sgmv: float32 rows x [T, K] (K whole groups of 32) and y [T, N]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && k % 32 == 0,
+              "lora_sgmv: float32 rows x [T, K] (K whole groups of 32)");
   const auto wtype = a.scalar_type();
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && b.scalar_type() == wtype &&
                   (wtype == at::kFloat || wtype == at::kBFloat16) && m >= 1,
               "lora_sgmv: contiguous a [S, M R, K], b [S, R, N], both float32 or both bfloat16");
   const int64_t s_count = a.size(0), r_max = b.size(1), n = b.size(2);
-  TORCH_CHECK(a.size(1) == m * r_max && a.size(2) == k && b.size(0) == s_count && y.size(1) == n &&
-                  splits.front() == 0 && splits.back() == n,
+  TORCH_CHECK(a.size(1) == m * r_max && a.size(2) == k && b.size(0) == s_count && splits.front() == 0 &&
+                  splits.back() == n,
               "lora_sgmv: a [S, M R, K] and b [S, R, N] for M = len(splits) - 1 modules splitting N");
   TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.dim() == 2 &&
                   ranks.size(0) == s_count && ranks.size(1) == m,
@@ -200,9 +190,7 @@ void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, co
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] < s_count, "lora_sgmv: slot ", sp[i], " of ", s_count);
   for (int64_t i = 0; i < m; ++i) TORCH_CHECK(splits[i] <= splits[i + 1], "lora_sgmv: splits must not decrease");
   for (int64_t i = 0; i < s_count * m; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] <= r_max, "lora_sgmv: rank ", rp[i]);
-
   // the work: tiles of up to kRowTile consecutive rows of one slot, split by A rows, then by columns
-  Work wk;
   for (int64_t i = 0; i < t;) {
     const int64_t s = sp[i];
     int64_t e = i + 1;
@@ -212,28 +200,63 @@ void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, co
         const int64_t r = rp[s * m + mod];
         if (r == 0) continue;
         for (int64_t j = 0; j < r; j += kShrinkRows)
-          wk.shrink.push_back({i, e - i, s, mod, j, std::min(r, j + kShrinkRows)});
+          shrink_.push_back({i, e - i, s, mod, j, std::min(r, j + kShrinkRows)});
         for (int64_t c = splits[mod]; c < splits[mod + 1]; c += kExpandCols)
-          wk.expand.push_back({i, e - i, s, mod, c, std::min(splits[mod + 1], c + kExpandCols)});
+          expand_.push_back({i, e - i, s, mod, c, std::min(splits[mod + 1], c + kExpandCols)});
       }
     }
     i = e;
   }
-  if (wk.shrink.empty()) return;
-  std::vector<float> u(static_cast<size_t>(t * m * r_max));
-  wk.x = x.data_ptr<float>();
-  wk.y = y.data_ptr<float>();
-  wk.u = u.data();
-  wk.xs = x.stride(0);
-  wk.ys = y.stride(0);
-  wk.us = m * r_max;
-  wk.k = k;
-  wk.n = n;
-  wk.m = m;
-  wk.r_max = r_max;
-  wk.ranks = rp;
-  if (wtype == at::kFloat) run(wk, a.data_ptr<float>(), b.data_ptr<float>());
-  else run(wk, static_cast<const bf16*>(a.data_ptr()), static_cast<const bf16*>(b.data_ptr()));
+  x_ = x.data_ptr<float>();
+  xs_ = x.stride(0);
+  k_ = k;
+  m_ = m;
+  n_ = n;
+  r_max_ = r_max;
+  if (!shrink_.empty()) u_.resize(static_cast<size_t>(t * m * r_max));
+}
+
+void LoraPlan::shrink(int64_t part, int64_t parts) {
+  const int64_t us = m_ * r_max_;
+  if (op_.a.scalar_type() == at::kFloat)
+    shrink_items(shrink_, x_, xs_, op_.a.data_ptr<float>(), u_.data(), us, k_, r_max_, part, parts);
+  else
+    shrink_items(shrink_, x_, xs_, static_cast<const bf16*>(op_.a.data_ptr()), u_.data(), us, k_, r_max_, part,
+                 parts);
+}
+
+void LoraPlan::expand(float* y, int64_t ys, int64_t part, int64_t parts) const {
+  const int64_t us = m_ * r_max_;
+  const int64_t* rp = op_.ranks.data_ptr<int64_t>();
+  if (op_.b.scalar_type() == at::kFloat)
+    expand_items(expand_, u_.data(), us, op_.b.data_ptr<float>(), rp, m_, n_, r_max_, y, ys, part, parts);
+  else
+    expand_items(expand_, u_.data(), us, static_cast<const bf16*>(op_.b.data_ptr()), rp, m_, n_, r_max_, y, ys, part,
+                 parts);
+}
+
+void LoraPlan::run(int64_t threads, const std::function<void(int64_t, int64_t)>& before, float* y, int64_t ys) {
+  // One parallel region for everything, a barrier before the expand (it reads every shrink result and
+  // adds to what `before` wrote): one fork per linear, not two or three, which one user's decode step
+  // feels (120 linears a step, a fork and its barriers a few microseconds each).
+#pragma omp parallel num_threads(static_cast<int>(threads)) if (threads > 1 && !omp_in_parallel())
+  {
+    const int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    if (before) before(part, parts);
+    if (!empty()) shrink(part, parts);
+#pragma omp barrier
+    if (!empty()) expand(y, ys, part, parts);
+  }
+}
+
+void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor& ranks, const at::Tensor& slots, const std::vector<int64_t>& splits) {
+  LoraPlan plan(x, {a, b, ranks, slots, splits});
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.stride(1) == 1 && y.size(0) == x.size(0) &&
+                  y.size(1) == b.size(2),
+              "lora_sgmv: float32 rows y [T, N]");
+  if (plan.empty()) return;
+  plan.run(std::min<int64_t>(at::get_num_threads(), plan.items()), nullptr, y.data_ptr<float>(), y.stride(0));
 }
 
 }  // namespace lockstep

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -19,6 +20,11 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& blocks, int64_t ty
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t k);
 at::Tensor linear_int8_parts(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
                              const std::vector<int64_t>& types, int64_t k);
+struct LoraOperands;
+// the same, with the adapters' products added (lora.cpp): in the base's parallel region where x is
+// few rows (one fork for both), else by lora_sgmv after it
+at::Tensor linear_int8_parts_lora(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
+                                  const std::vector<int64_t>& types, int64_t k, const LoraOperands* lora);
 std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x);
 // attention.cpp: one query per request over the paged KV pool
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -38,6 +44,38 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, const std::string& act);
 // (y += B_s A_s x per row, s the row's slot; y in place)
 void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                const at::Tensor& ranks, const at::Tensor& slots, const std::vector<int64_t>& splits);
+// lora_sgmv's operands but the rows: one linear's adapter slots and this forward's slot per row
+struct LoraOperands {
+  const at::Tensor& a;
+  const at::Tensor& b;
+  const at::Tensor& ranks;
+  const at::Tensor& slots;
+  const std::vector<int64_t>& splits;
+};
+// lora_sgmv's work for rows x, checked and cut into items, so that another kernel can run it inside
+// its own parallel region (int8.cpp's one-row linear: the base matmul and its adapters, one fork)
+class LoraPlan {
+ public:
+  struct Item {
+    int64_t row0, rows, slot, module, lo, hi;  // a tile of one slot's rows; A rows or columns [lo, hi)
+  };
+  using Items = std::vector<Item>;
+  LoraPlan(const at::Tensor& x, const LoraOperands& op);
+  bool empty() const { return shrink_.empty(); }  // no row has an adapted module
+  int64_t items() const { return static_cast<int64_t>(expand_.size()); }
+  // On `threads` threads: before(part, parts) on each, then the shrink, a barrier, the expand into
+  // y [T, N] (row stride ys), each thread its share of the items (which thread changes no bits)
+  void run(int64_t threads, const std::function<void(int64_t, int64_t)>& before, float* y, int64_t ys);
+
+ private:
+  void shrink(int64_t part, int64_t parts);
+  void expand(float* y, int64_t ys, int64_t part, int64_t parts) const;
+  LoraOperands op_;
+  Items shrink_, expand_;
+  std::vector<float> u_;  // each row's shrink results, [T, M R]
+  const float* x_ = nullptr;
+  int64_t xs_ = 0, k_ = 0, m_ = 0, n_ = 0, r_max_ = 0;
+};
 // layer.cpp: a whole decoder layer of the float32 path, the ops above in the modules' order.
 // How each weight part is multiplied: the weight plan's kinds (layers/block_weight.Kind), by name.
 // Python passes the names ("exact", ...); register.cpp turns them into these once, at construction.
