@@ -1,8 +1,12 @@
 """LoRA's cost in a batch: W-batch decoding (32 concurrent requests) on the base model alone,
 against the same load spread over 8 adapters (rank 16, every linear layer), side by side in one
-run; and one user's inter-token latency with and without an adapter. One Scheduler in this
-process (the model and the scheduler, no IPC), plain decoding (no speculation), greedy,
-ignore_eos. Runs alternate (base, adapters, base, ...) and the median of each is reported.
+run; and one user's inter-token latency with and without an adapter. Schedulers in this process
+(the model and the scheduler, no IPC), plain decoding (no speculation), greedy, ignore_eos. Batch
+runs alternate (base, adapters, base, ...); the one-user cases decode side by side step for step,
+each on its own scheduler (the plain server, the LoRA server's base, the LoRA server with an
+adapter), so that the three see the same machine from one step to the next (a one-user step is
+a few milliseconds, and this shared machine's speed drifts by more than the adapter's cost over
+the seconds between runs one after the other). The median decode step of each is reported.
 
     PYTHONPATH=. python benchmarks/lora_batch.py [--model smollm2-135m-instruct] [--repeats 3]
 
@@ -47,6 +51,24 @@ def run(sched: Scheduler, prompts: list[list[int]], loras: list[str | None], new
     return statistics.median(steps)
 
 
+def run_side_by_side(cases: list[tuple[Scheduler, list[int], str | None]], new: int) -> list[list[float]]:
+    """One request per case, each on its own scheduler, stepped in turn: each case's decode steps."""
+    for i, (sched, prompt, lora) in enumerate(cases):
+        sched.step([TokenizedGenerateReq(f"u{i}-{time.perf_counter_ns()}", prompt,
+                                         SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True),
+                                         lora_path=lora)])
+    steps: list[list[float]] = [[] for _ in cases]
+    while not all(sched.is_idle() for sched, *_ in cases):
+        for i, (sched, *_) in enumerate(cases):
+            if not sched.is_idle():
+                t0 = time.perf_counter()
+                sched.step([])
+                steps[i].append(time.perf_counter() - t0)
+    for sched, *_ in cases:
+        sched.flush_cache()
+    return [s[:-1] for s in steps]  # the last step of each finishes its request
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -55,6 +77,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--user-output-len", type=int, default=256, help="tokens of each one-user run")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
     cfg = ModelConfig.from_hf(resolve_model(a.model).hf_config)
@@ -64,23 +87,26 @@ def main() -> None:
     common = dict(model_path=a.model, speculative_algorithm="NONE", max_running_requests=a.concurrency,
                   max_total_tokens=a.concurrency * (a.input_len + a.output_len + 8))
     plain = create_scheduler(ServerArgs(**common))
-    lora = create_scheduler(ServerArgs(**common, lora_paths=paths, max_loras_per_batch=a.adapters))
+    lora_args = ServerArgs(**common, lora_paths=paths, max_loras_per_batch=a.adapters)
+    lora, lora_user = create_scheduler(lora_args), create_scheduler(lora_args)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, cfg.vocab_size - 100) for _ in range(a.input_len)]
                for _ in range(a.concurrency)]
     spread = [names[i % len(names)] for i in range(a.concurrency)]
     cases = {"batch, plain server, base": (plain, prompts, [None] * a.concurrency),
              "batch, LoRA server, base": (lora, prompts, [None] * a.concurrency),
-             f"batch, LoRA server, {a.adapters} adapters": (lora, prompts, spread),
-             "one user, plain server, base": (plain, prompts[:1], [None]),
-             "one user, LoRA server, base": (lora, prompts[:1], [None]),
-             "one user, LoRA server, adapter": (lora, prompts[:1], names[:1])}
-    for sched, ps, ls in list(cases.values())[::3]:  # warm-up: kernels, allocator
+             f"batch, LoRA server, {a.adapters} adapters": (lora, prompts, spread)}
+    users = {"one user, plain server, base": (plain, prompts[0], None),
+             "one user, LoRA server, base": (lora, prompts[0], None),
+             "one user, LoRA server, adapter": (lora_user, prompts[0], names[0])}
+    for sched, ps, ls in [*cases.values(), *[(s, [p], [lo]) for s, p, lo in users.values()]]:  # warm-up
         run(sched, ps[:2], ls[:2], 4)
-    times: dict[str, list[float]] = {k: [] for k in cases}
+    times: dict[str, list[float]] = {k: [] for k in [*cases, *users]}
     for _ in range(a.repeats):
         for name, (sched, ps, ls) in cases.items():
             times[name].append(run(sched, ps, ls, a.output_len))
+        for name, steps in zip(users, run_side_by_side(list(users.values()), a.user_output_len)):
+            times[name].append(statistics.median(steps))
     med = {k: statistics.median(v) for k, v in times.items()}
     width = max(map(len, med))
     for k, v in med.items():

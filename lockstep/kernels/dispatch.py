@@ -79,9 +79,14 @@ def _rows(*ts: torch.Tensor, dims: tuple[int, ...] = (2,)) -> bool:  # float32 C
     return _cpu_f32(*ts) and all(t.dim() in dims and t.stride(-1) == 1 for t in ts)
 
 
-def _slots_fit(a: torch.Tensor, b: torch.Tensor) -> bool:  # LoRA slots: float32 or bfloat16, both alike
+def _slots_fit(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """LoRA slots: float32 or bfloat16, both alike, each slot contiguous (the slots at any stride
+    apart: views into lora/layers.py's per-slot buffers)."""
+    def each_slot_contiguous(t: torch.Tensor) -> bool:
+        return t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]
+
     return (a.device.type == b.device.type == "cpu" and a.dtype == b.dtype in (torch.float32, torch.bfloat16)
-            and a.dim() == b.dim() == 3 and a.is_contiguous() and b.is_contiguous())
+            and a.dim() == b.dim() == 3 and each_slot_contiguous(a) and each_slot_contiguous(b))
 
 
 def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]]:

@@ -9,7 +9,12 @@ max rank, in] (a fused linear's modules, q/k/v or gate/up, share their input, so
 together and one shrink serves them), B transposed [slots, max rank, local outputs] (each module's
 B in its own output columns), and each slot's rank per module (0: the adapter leaves the module
 out, which then costs nothing). Like SGLang's LoRA memory pool, the slots are allocated at start
-(--max-loras-per-batch x --max-lora-rank), in the type `slot_dtype` picks.
+(--max-loras-per-batch x --max-lora-rank), in the type `slot_dtype` picks, as one buffer per slot:
+each linear's A and B are views into it, laid out in the order a forward reads them (layer by layer:
+qkv's A then B, o's, gate/up's, down's), so one adapter's weights stream from memory as one run
+(with the slots side by side per linear instead, a decode step's reads restarted at every linear,
+apart by the other slots' weights: one user's step with an adapter was measurably slower on a
+server of 8 slots than of 1).
 
 Batch invariance: each row's product is computed on its own in a fixed order (csrc/lora.cpp on a
 CPU, in float32 arithmetic whatever the slots' type; elsewhere the reference's batched 1-row
@@ -61,17 +66,16 @@ class LoraBatch:
 class LoraLinear:
     """One linear's adapters in the resident slots, and the product it adds to the base output."""
 
-    def __init__(self, subs: tuple[str, ...], rows: list[tuple[int, int]], in_features: int,
-                 batch: LoraBatch, n_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, subs: tuple[str, ...], rows: list[tuple[int, int]], batch: LoraBatch,
+                 a: torch.Tensor, b: torch.Tensor) -> None:
         self.subs = subs
         self.rows = rows  # per module: the rows of its whole B this rank keeps
-        widths = [e - s for s, e in rows]
-        self.splits = [sum(widths[:i]) for i in range(len(widths) + 1)]  # each module's output columns
+        self.splits = out_splits(rows)  # each module's output columns
         self.batch = batch
-        self.max_rank = max_rank
-        self.a = torch.zeros(n_slots, len(subs) * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(n_slots, max_rank, self.splits[-1], dtype=dtype, device=device)
-        self.ranks = torch.zeros(n_slots, len(subs), dtype=torch.int64)  # read on the host
+        self.max_rank = b.shape[1]
+        self.a = a  # [slots, modules x max rank, in] (views into the slots' buffers)
+        self.b = b  # [slots, max rank, local outputs]
+        self.ranks = torch.zeros(a.shape[0], len(subs), dtype=torch.int64)  # read on the host
 
     def set_slot(self, slot: int, ab: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Slot `slot` holds these modules' (A, B) (None: not adapted)."""
@@ -95,6 +99,12 @@ class LoraLinear:
         return y
 
 
+def out_splits(rows: list[tuple[int, int]]) -> list[int]:
+    """Each module's first output column, and the end: the modules' kept rows side by side."""
+    widths = [e - s for s, e in rows]
+    return [sum(widths[:i]) for i in range(len(widths) + 1)]
+
+
 def _rows(linear: nn.Module, subs: tuple[str, ...]) -> list[tuple[int, int]]:
     """The rows of each module's whole B that this rank's shard of `linear` holds (as its
     weight_loader keeps the base's rows)."""
@@ -116,15 +126,25 @@ class LoraLayers:
         self.batch = LoraBatch()
         self.n_slots = n_slots
         self.linears: list[tuple[int, LoraLinear]] = []  # (layer index, its adapted linear)
-        dtype = slot_dtype(target)
+        plan = []  # (layer index, linear, modules, kept rows, A's shape, B's shape) in a forward's order
         for i, layer in enumerate(model.stage_layers):
             for path, subs in LINEARS.items():
-                if not targets & set(subs):
-                    continue
-                linear = layer.get_submodule(path)
-                linear.lora = LoraLinear(subs, _rows(linear, subs), linear.in_features, self.batch,
-                                         n_slots, max_rank, dtype, target.device)
-                self.linears.append((model.start_layer + i, linear.lora))
+                if targets & set(subs):
+                    linear = layer.get_submodule(path)
+                    rows = _rows(linear, subs)
+                    plan.append((model.start_layer + i, linear, subs, rows, (len(subs) * max_rank, linear.in_features),
+                                 (max_rank, out_splits(rows)[-1])))
+        size = lambda shape: -(-shape[0] * shape[1] // 32) * 32  # noqa: E731 - each view 64-byte aligned
+        per_slot = sum(size(a) + size(b) for *_, a, b in plan)
+        self.buffer = torch.zeros(n_slots, per_slot, dtype=slot_dtype(target), device=target.device)
+        at = 0
+        for layer_index, linear, subs, rows, a_shape, b_shape in plan:
+            views = []
+            for shape in (a_shape, b_shape):
+                views.append(self.buffer[:, at:at + shape[0] * shape[1]].view(n_slots, *shape))
+                at += size(shape)
+            linear.lora = LoraLinear(subs, rows, self.batch, *views)
+            self.linears.append((layer_index, linear.lora))
         model.after_loading()  # the one-call layers take the adapter slots' weights
 
     def set_slot(self, slot: int, adapter: LoraAdapter | None) -> None:

@@ -108,6 +108,23 @@ def test_the_reference_is_close_and_the_table_dispatches(variant: str, dtype: to
                        run(reference.lora_sgmv, y, x_odd, a_odd, b, ranks, slots))
 
 
+@pytest.mark.parametrize("fn", [*variant_params(), "torch"])
+def test_slots_as_views_into_one_buffer_per_slot(fn: str) -> None:
+    """The slots as lora/layers.py lays them out (each slot's A and B views into one buffer per slot,
+    so the slots lie a whole buffer apart): the same bits as the same slots stacked contiguously,
+    through the dispatch table (which must not route the views to the reference)."""
+    y, x, a, b, ranks, slots = operands(seed=4, dtype=torch.bfloat16)
+    buffer = torch.zeros(a.shape[0], a[0].numel() + 48 + b[0].numel(), dtype=a.dtype)
+    a_view = buffer[:, :a[0].numel()].view(a.shape)
+    b_view = buffer[:, a[0].numel() + 48:].view(b.shape)
+    a_view.copy_(a)
+    b_view.copy_(b)
+    assert not a_view.is_contiguous() and not b_view.is_contiguous()
+    op = reference.lora_sgmv if fn == "torch" else build_table(fn, compiled(fn).mod).lora_sgmv
+    assert fn == "torch" or op.takes(y, x, a_view, b_view, ranks, slots, SPLITS)
+    assert torch.equal(run(op, y, x, a_view, b_view, ranks, slots), run(op, y, x, a, b, ranks, slots))
+
+
 def test_no_adapter_rows_add_nothing() -> None:
     y, x, a, b, ranks, _ = operands()
     none = torch.full((len(y),), -1)

@@ -8,6 +8,8 @@
 //   b [S, R, N]          slot s's B transposed: b[s, j, n] = B_m[n - splits[m], j] for n in module m's
 //                        output columns splits[m] .. splits[m + 1] (the adapter's scaling folded in)
 //   ranks [S, M] int64   each slot's rank per module (0: the module is not adapted, nothing is added)
+// Each slot's a and b are contiguous; the slots may lie at any stride apart (lora/layers.py keeps one
+// buffer per slot, every linear's A and B views into it, so that one adapter's weights are one run).
 // a and b are both float32 or both bfloat16 (lora/layers.slot_dtype decides): bfloat16 halves the bytes
 // a decode step streams per adapter row, and each value is widened exactly to float32 as it is loaded
 // (its 16 bits shifted into the high half), so everything below is float32 either way.
@@ -95,22 +97,37 @@ void shrink_rows(const float* x, int64_t xs, const W* a, int64_t k, float* u, in
   if (j < j1) shrink_tile<MT, 1>(x, xs, a + j * k, k, u + j, us);
 }
 
-// y[i * ys + n] += sum_j b[j * bs + n] * u[i * us + j] (j < r, in order) for columns n in [c0, c1)
+// y[i * ys + n] += sum_j b[j * bs + n] * u[i * us + j] (j < r, in order) for columns n .. n + 16 NV: NV
+// vectors of columns at once, so that a one-row expand is NV independent chains of adds, not one
+template <int MT, int NV, class W>
+inline void expand_block(const float* u, int64_t us, const W* b, int64_t bs, int64_t r, float* y, int64_t ys,
+                         int64_t n) {
+  V acc[MT][NV];
+  UNROLL for (int i = 0; i < MT; ++i)
+    UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
+  for (int64_t j = 0; j < r; ++j) {
+    // the same columns of this B row for the blocks ahead (a row's columns are apart by its stride)
+    _mm_prefetch(reinterpret_cast<const char*>(b + j * bs + n + 2 * kExpandCols), _MM_HINT_T0);
+    V bv[NV];
+    UNROLL for (int v = 0; v < NV; ++v) bv[v] = wload(b + j * bs + n + 16 * v);
+    UNROLL for (int i = 0; i < MT; ++i) {
+      const V uj = vset1(u[i * us + j]);
+      UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = vadd(acc[i][v], vmul(bv[v], uj));
+    }
+  }
+  UNROLL for (int i = 0; i < MT; ++i)
+    UNROLL for (int v = 0; v < NV; ++v)
+      vstore(y + i * ys + n + 16 * v, vadd(vload(y + i * ys + n + 16 * v), acc[i][v]));
+}
+
+// the same for columns n in [c0, c1)
 template <int MT, class W>
 void expand_cols(const float* u, int64_t us, const W* b, int64_t bs, int64_t r, float* y, int64_t ys,
                  int64_t c0, int64_t c1) {
+  constexpr int kWide = MT == 1 ? 4 : MT == 2 ? 2 : 1;  // accumulators that fit in registers on AVX2 too
   int64_t n = c0;
-  for (; n + 16 <= c1; n += 16) {
-    V acc[MT];
-    UNROLL for (int i = 0; i < MT; ++i) acc[i] = vzero();
-    for (int64_t j = 0; j < r; ++j) {
-      // the next columns of each B row this item reads (columns of a row are apart by its stride)
-      _mm_prefetch(reinterpret_cast<const char*>(b + j * bs + n + 2 * kExpandCols), _MM_HINT_T0);
-      const V bv = wload(b + j * bs + n);
-      UNROLL for (int i = 0; i < MT; ++i) acc[i] = vadd(acc[i], vmul(bv, vset1(u[i * us + j])));
-    }
-    UNROLL for (int i = 0; i < MT; ++i) vstore(y + i * ys + n, vadd(vload(y + i * ys + n), acc[i]));
-  }
+  for (; n + 16 * kWide <= c1; n += 16 * kWide) expand_block<MT, kWide>(u, us, b, bs, r, y, ys, n);
+  for (; n + 16 <= c1; n += 16) expand_block<MT, 1>(u, us, b, bs, r, y, ys, n);
   for (; n < c1; ++n) {  // the same operations, one lane at a time
     for (int i = 0; i < MT; ++i) {
       float d = 0.0f;
@@ -137,12 +154,12 @@ std::pair<int64_t, int64_t> share(int64_t n, int64_t part, int64_t parts) {
 }
 
 template <class W>
-void shrink_items(const LoraPlan::Items& items, const float* x, int64_t xs, const W* ap, float* u, int64_t us,
-                  int64_t k, int64_t r_max, int64_t part, int64_t parts) {
+void shrink_items(const LoraPlan::Items& items, const float* x, int64_t xs, const W* ap, int64_t a_slot, float* u,
+                  int64_t us, int64_t k, int64_t r_max, int64_t part, int64_t parts) {
   const auto [w0, w1] = share(static_cast<int64_t>(items.size()), part, parts);
   for (int64_t w = w0; w < w1; ++w) {
     const LoraPlan::Item& it = items[w];
-    const W* arows = ap + (it.slot * us + it.module * r_max) * k;
+    const W* arows = ap + it.slot * a_slot + it.module * r_max * k;
     float* urow = u + it.row0 * us + it.module * r_max;
     by_rows(it.rows, [&](auto mt) {
       shrink_rows<decltype(mt)::value>(x + it.row0 * xs, xs, arows, k, urow, us, it.lo, it.hi);
@@ -151,14 +168,15 @@ void shrink_items(const LoraPlan::Items& items, const float* x, int64_t xs, cons
 }
 
 template <class W>
-void expand_items(const LoraPlan::Items& items, const float* u, int64_t us, const W* bp, const int64_t* ranks,
-                  int64_t m, int64_t n, int64_t r_max, float* y, int64_t ys, int64_t part, int64_t parts) {
+void expand_items(const LoraPlan::Items& items, const float* u, int64_t us, const W* bp, int64_t b_slot,
+                  const int64_t* ranks, int64_t m, int64_t n, int64_t r_max, float* y, int64_t ys, int64_t part,
+                  int64_t parts) {
   const auto [w0, w1] = share(static_cast<int64_t>(items.size()), part, parts);
   for (int64_t w = w0; w < w1; ++w) {
     const LoraPlan::Item& it = items[w];
     const float* urow = u + it.row0 * us + it.module * r_max;
     by_rows(it.rows, [&](auto mt) {
-      expand_cols<decltype(mt)::value>(urow, us, bp + it.slot * r_max * n, n, ranks[it.slot * m + it.module],
+      expand_cols<decltype(mt)::value>(urow, us, bp + it.slot * b_slot, n, ranks[it.slot * m + it.module],
                                        y + it.row0 * ys, ys, it.lo, it.hi);
     });
   }
@@ -173,13 +191,16 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && k % 32 == 0,
               "lora_sgmv: float32 rows x [T, K] (K whole groups of 32)");
   const auto wtype = a.scalar_type();
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && b.scalar_type() == wtype &&
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && b.scalar_type() == wtype &&
                   (wtype == at::kFloat || wtype == at::kBFloat16) && m >= 1,
-              "lora_sgmv: contiguous a [S, M R, K], b [S, R, N], both float32 or both bfloat16");
+              "lora_sgmv: a [S, M R, K], b [S, R, N], both float32 or both bfloat16");
   const int64_t s_count = a.size(0), r_max = b.size(1), n = b.size(2);
   TORCH_CHECK(a.size(1) == m * r_max && a.size(2) == k && b.size(0) == s_count && splits.front() == 0 &&
                   splits.back() == n,
               "lora_sgmv: a [S, M R, K] and b [S, R, N] for M = len(splits) - 1 modules splitting N");
+  TORCH_CHECK(a.stride(2) == 1 && a.stride(1) == k && a.stride(0) >= m * r_max * k && b.stride(2) == 1 &&
+                  b.stride(1) == n && b.stride(0) >= r_max * n,
+              "lora_sgmv: each slot's a and b contiguous (the slots at any stride apart)");
   TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.dim() == 2 &&
                   ranks.size(0) == s_count && ranks.size(1) == m,
               "lora_sgmv: ranks int64 [S, M]");
@@ -209,6 +230,8 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
   }
   x_ = x.data_ptr<float>();
   xs_ = x.stride(0);
+  a_slot_ = a.stride(0);
+  b_slot_ = b.stride(0);
   k_ = k;
   m_ = m;
   n_ = n;
@@ -219,20 +242,61 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
 void LoraPlan::shrink(int64_t part, int64_t parts) {
   const int64_t us = m_ * r_max_;
   if (op_.a.scalar_type() == at::kFloat)
-    shrink_items(shrink_, x_, xs_, op_.a.data_ptr<float>(), u_.data(), us, k_, r_max_, part, parts);
+    shrink_items(shrink_, x_, xs_, op_.a.data_ptr<float>(), a_slot_, u_.data(), us, k_, r_max_, part, parts);
   else
-    shrink_items(shrink_, x_, xs_, static_cast<const bf16*>(op_.a.data_ptr()), u_.data(), us, k_, r_max_, part,
-                 parts);
+    shrink_items(shrink_, x_, xs_, static_cast<const bf16*>(op_.a.data_ptr()), a_slot_, u_.data(), us, k_, r_max_,
+                 part, parts);
 }
 
 void LoraPlan::expand(float* y, int64_t ys, int64_t part, int64_t parts) const {
   const int64_t us = m_ * r_max_;
   const int64_t* rp = op_.ranks.data_ptr<int64_t>();
   if (op_.b.scalar_type() == at::kFloat)
-    expand_items(expand_, u_.data(), us, op_.b.data_ptr<float>(), rp, m_, n_, r_max_, y, ys, part, parts);
+    expand_items(expand_, u_.data(), us, op_.b.data_ptr<float>(), b_slot_, rp, m_, n_, r_max_, y, ys, part, parts);
   else
-    expand_items(expand_, u_.data(), us, static_cast<const bf16*>(op_.b.data_ptr()), rp, m_, n_, r_max_, y, ys, part,
-                 parts);
+    expand_items(expand_, u_.data(), us, static_cast<const bf16*>(op_.b.data_ptr()), b_slot_, rp, m_, n_, r_max_, y,
+                 ys, part, parts);
+}
+
+LoraPlan::Fetch LoraPlan::fetch(int64_t part, int64_t parts) const {
+  Fetch f;
+  const int64_t w = op_.a.element_size();
+  const char* ap = static_cast<const char*>(op_.a.data_ptr());
+  const char* bp = static_cast<const char*>(op_.b.data_ptr());
+  auto add = [&](const char* p, int64_t bytes) {
+    f.spans_.push_back({p, bytes});
+    f.left_ += bytes;
+  };
+  const auto [s0, s1] = share(static_cast<int64_t>(shrink_.size()), part, parts);
+  for (int64_t i = s0; i < s1; ++i) {  // A: each item's rows are one run
+    const Item& it = shrink_[i];
+    add(ap + (it.slot * a_slot_ + (it.module * r_max_ + it.lo) * k_) * w, (it.hi - it.lo) * k_ * w);
+  }
+  const auto [e0, e1] = share(static_cast<int64_t>(expand_.size()), part, parts);
+  const int64_t* rp = op_.ranks.data_ptr<int64_t>();
+  for (int64_t i = e0; i < e1;) {  // B: the items of one tile and module side by side, a run per rank
+    const Item& it = expand_[i];
+    int64_t e = i + 1;
+    while (e < e1 && expand_[e].row0 == it.row0 && expand_[e].module == it.module) ++e;
+    for (int64_t j = 0; j < rp[it.slot * m_ + it.module]; ++j)
+      add(bp + (it.slot * b_slot_ + j * n_ + it.lo) * w, (expand_[e - 1].hi - it.lo) * w);
+    i = e;
+  }
+  return f;
+}
+
+void LoraPlan::Fetch::next(int64_t steps_left) {
+  int64_t bytes = steps_left > 1 ? left_ / steps_left : left_;
+  left_ -= bytes;
+  while (bytes > 0 && span_ < spans_.size()) {
+    const auto& [p, n] = spans_[span_];
+    for (; at_ < n && bytes > 0; at_ += 64, bytes -= 64) _mm_prefetch(p + at_, _MM_HINT_T0);
+    if (at_ >= n) {
+      bytes += at_ - n;  // the span's last line may have been part of one
+      ++span_;
+      at_ = 0;
+    }
+  }
 }
 
 void LoraPlan::run(int64_t threads, const std::function<void(int64_t, int64_t)>& before, float* y, int64_t ys) {

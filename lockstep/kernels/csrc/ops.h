@@ -66,6 +66,20 @@ class LoraPlan {
   // On `threads` threads: before(part, parts) on each, then the shrink, a barrier, the expand into
   // y [T, N] (row stride ys), each thread its share of the items (which thread changes no bits)
   void run(int64_t threads, const std::function<void(int64_t, int64_t)>& before, float* y, int64_t ys);
+  // The bytes of A and B that part `part` of `parts` reads in run, to fetch into cache a share at a
+  // time while `before` computes (int8.cpp: the base's tiles are bound by instructions, not memory)
+  class Fetch {
+   public:
+    void next(int64_t steps_left);  // fetch 1 / steps_left of what is left
+
+   private:
+    friend class LoraPlan;
+    std::vector<std::pair<const char*, int64_t>> spans_;
+    size_t span_ = 0;
+    int64_t at_ = 0, left_ = 0;
+  };
+  Fetch fetch(int64_t part, int64_t parts) const;
+  std::vector<const char*> lines(int64_t part, int64_t parts) const;
 
  private:
   void shrink(int64_t part, int64_t parts);
@@ -74,7 +88,7 @@ class LoraPlan {
   Items shrink_, expand_;
   std::vector<float> u_;  // each row's shrink results, [T, M R]
   const float* x_ = nullptr;
-  int64_t xs_ = 0, k_ = 0, m_ = 0, n_ = 0, r_max_ = 0;
+  int64_t xs_ = 0, a_slot_ = 0, b_slot_ = 0, k_ = 0, m_ = 0, n_ = 0, r_max_ = 0;  // a_slot_, b_slot_: strides
 };
 // layer.cpp: a whole decoder layer of the float32 path, the ops above in the modules' order.
 // How each weight part is multiplied: the weight plan's kinds (layers/block_weight.Kind), by name.
