@@ -579,16 +579,7 @@ at::Tensor linear_int8_parts_lora(const at::Tensor& x, const std::vector<at::Ten
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max((tiles + 7) / 8, plan.items()));
     plan.run(threads, [&](int64_t part, int64_t n_parts) {
       const int64_t chunk = (tiles + n_parts - 1) / n_parts;
-      const int64_t t0 = std::min(tiles, part * chunk), t1 = std::min(tiles, (part + 1) * chunk);
-      // the adapters' bytes this thread reads after its tiles, fetched a share every two tiles: the tiles
-      // are bound by instructions, not memory, and the products then read cache instead of waiting on
-      // memory (docs/benchmarks.md, "LoRA adapters in a batch")
-      LoraPlan::Fetch ahead = plan.fetch(part, n_parts);
-      const int64_t steps = std::max<int64_t>(1, (t1 - t0 + 1) / 2);
-      for (int64_t st = 0; st < steps; ++st) {
-        ahead.next(steps - st);
-        base(t0 + 2 * st, st + 1 == steps ? t1 : t0 + 2 * (st + 1));
-      }
+      base(std::min(tiles, part * chunk), std::min(tiles, (part + 1) * chunk));
     }, yp, n_total);
     return y;
   }

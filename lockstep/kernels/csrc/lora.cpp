@@ -258,47 +258,6 @@ void LoraPlan::expand(float* y, int64_t ys, int64_t part, int64_t parts) const {
                  ys, part, parts);
 }
 
-LoraPlan::Fetch LoraPlan::fetch(int64_t part, int64_t parts) const {
-  Fetch f;
-  const int64_t w = op_.a.element_size();
-  const char* ap = static_cast<const char*>(op_.a.data_ptr());
-  const char* bp = static_cast<const char*>(op_.b.data_ptr());
-  auto add = [&](const char* p, int64_t bytes) {
-    f.spans_.push_back({p, bytes});
-    f.left_ += bytes;
-  };
-  const auto [s0, s1] = share(static_cast<int64_t>(shrink_.size()), part, parts);
-  for (int64_t i = s0; i < s1; ++i) {  // A: each item's rows are one run
-    const Item& it = shrink_[i];
-    add(ap + (it.slot * a_slot_ + (it.module * r_max_ + it.lo) * k_) * w, (it.hi - it.lo) * k_ * w);
-  }
-  const auto [e0, e1] = share(static_cast<int64_t>(expand_.size()), part, parts);
-  const int64_t* rp = op_.ranks.data_ptr<int64_t>();
-  for (int64_t i = e0; i < e1;) {  // B: the items of one tile and module side by side, a run per rank
-    const Item& it = expand_[i];
-    int64_t e = i + 1;
-    while (e < e1 && expand_[e].row0 == it.row0 && expand_[e].module == it.module) ++e;
-    for (int64_t j = 0; j < rp[it.slot * m_ + it.module]; ++j)
-      add(bp + (it.slot * b_slot_ + j * n_ + it.lo) * w, (expand_[e - 1].hi - it.lo) * w);
-    i = e;
-  }
-  return f;
-}
-
-void LoraPlan::Fetch::next(int64_t steps_left) {
-  int64_t bytes = steps_left > 1 ? left_ / steps_left : left_;
-  left_ -= bytes;
-  while (bytes > 0 && span_ < spans_.size()) {
-    const auto& [p, n] = spans_[span_];
-    for (; at_ < n && bytes > 0; at_ += 64, bytes -= 64) _mm_prefetch(p + at_, _MM_HINT_T0);
-    if (at_ >= n) {
-      bytes += at_ - n;  // the span's last line may have been part of one
-      ++span_;
-      at_ = 0;
-    }
-  }
-}
-
 void LoraPlan::run(int64_t threads, const std::function<void(int64_t, int64_t)>& before, float* y, int64_t ys) {
   // One parallel region for everything, a barrier before the expand (it reads every shrink result and
   // adds to what `before` wrote): one fork per linear, not two or three, which one user's decode step

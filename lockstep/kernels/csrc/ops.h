@@ -66,19 +66,6 @@ class LoraPlan {
   // On `threads` threads: before(part, parts) on each, then the shrink, a barrier, the expand into
   // y [T, N] (row stride ys), each thread its share of the items (which thread changes no bits)
   void run(int64_t threads, const std::function<void(int64_t, int64_t)>& before, float* y, int64_t ys);
-  // The bytes of A and B that part `part` of `parts` reads in run, to fetch into cache a share at a
-  // time while `before` computes (int8.cpp: the base's tiles are bound by instructions, not memory)
-  class Fetch {
-   public:
-    void next(int64_t steps_left);  // fetch 1 / steps_left of what is left
-
-   private:
-    friend class LoraPlan;
-    std::vector<std::pair<const char*, int64_t>> spans_;
-    size_t span_ = 0;
-    int64_t at_ = 0, left_ = 0;
-  };
-  Fetch fetch(int64_t part, int64_t parts) const;
   std::vector<const char*> lines(int64_t part, int64_t parts) const;
 
  private:
