@@ -4,9 +4,10 @@ run; and one user's inter-token latency with and without an adapter. Schedulers 
 (the model and the scheduler, no IPC), plain decoding (no speculation), greedy, ignore_eos. Batch
 runs alternate (base, adapters, base, ...); the one-user cases decode side by side step for step,
 each on its own scheduler (the plain server, the LoRA server's base, the LoRA server with an
-adapter), so that the three see the same machine from one step to the next (a one-user step is
-a few milliseconds, and this shared machine's speed drifts by more than the adapter's cost over
-the seconds between runs one after the other). The median decode step of each is reported.
+adapter; none of them serves the batches), so that the three see the same machine from one step
+to the next (a one-user step is a few milliseconds, and this shared machine's speed drifts by more
+than the adapter's cost over the seconds between runs one after the other). The median decode step
+of each is reported.
 
     PYTHONPATH=. python benchmarks/lora_batch.py [--model smollm2-135m-instruct] [--repeats 3]
 
@@ -86,9 +87,12 @@ def main() -> None:
     paths = [f"{n}={random_adapter(cfg, tmp / n, seed=i, rank=a.rank)}" for i, n in enumerate(names)]
     common = dict(model_path=a.model, speculative_algorithm="NONE", max_running_requests=a.concurrency,
                   max_total_tokens=a.concurrency * (a.input_len + a.output_len + 8))
-    plain = create_scheduler(ServerArgs(**common))
-    lora_args = ServerArgs(**common, lora_paths=paths, max_loras_per_batch=a.adapters)
-    lora, lora_user = create_scheduler(lora_args), create_scheduler(lora_args)
+    with_lora = dict(lora_paths=paths, max_loras_per_batch=a.adapters)
+    plain, lora = create_scheduler(ServerArgs(**common)), create_scheduler(ServerArgs(**common, **with_lora))
+    # the one-user cases on schedulers of their own, alike (none has served the batches)
+    one = dict(common, max_running_requests=1, max_total_tokens=a.input_len + a.user_output_len + 8)
+    user_plain, user_base, user_adapter = (create_scheduler(ServerArgs(**one)),
+                                           *(create_scheduler(ServerArgs(**one, **with_lora)) for _ in range(2)))
     rng = random.Random(0)
     prompts = [[rng.randrange(100, cfg.vocab_size - 100) for _ in range(a.input_len)]
                for _ in range(a.concurrency)]
@@ -96,9 +100,9 @@ def main() -> None:
     cases = {"batch, plain server, base": (plain, prompts, [None] * a.concurrency),
              "batch, LoRA server, base": (lora, prompts, [None] * a.concurrency),
              f"batch, LoRA server, {a.adapters} adapters": (lora, prompts, spread)}
-    users = {"one user, plain server, base": (plain, prompts[0], None),
-             "one user, LoRA server, base": (lora, prompts[0], None),
-             "one user, LoRA server, adapter": (lora_user, prompts[0], names[0])}
+    users = {"one user, plain server, base": (user_plain, prompts[0], None),
+             "one user, LoRA server, base": (user_base, prompts[0], None),
+             "one user, LoRA server, adapter": (user_adapter, prompts[0], names[0])}
     for sched, ps, ls in [*cases.values(), *[(s, [p], [lo]) for s, p, lo in users.values()]]:  # warm-up
         run(sched, ps[:2], ls[:2], 4)
     times: dict[str, list[float]] = {k: [] for k in [*cases, *users]}
