@@ -601,10 +601,7 @@ at::Tensor linear_int8_parts_lora(const at::Tensor& x, const std::vector<at::Ten
       });
     }
   }
-  if (lora) {
-    LoraPlan plan(x, *lora);
-    if (!plan.empty()) plan.run(std::min<int64_t>(at::get_num_threads(), plan.items()), nullptr, yp, n_total);
-  }
+  if (lora) lora_sgmv(y, x, lora->a, lora->b, lora->ranks, lora->slots, lora->splits);
   return y;
 }
 

@@ -66,7 +66,6 @@ class LoraPlan {
   // On `threads` threads: before(part, parts) on each, then the shrink, a barrier, the expand into
   // y [T, N] (row stride ys), each thread its share of the items (which thread changes no bits)
   void run(int64_t threads, const std::function<void(int64_t, int64_t)>& before, float* y, int64_t ys);
-  std::vector<const char*> lines(int64_t part, int64_t parts) const;
 
  private:
   void shrink(int64_t part, int64_t parts);
