@@ -213,6 +213,12 @@ class ServerArgs:
     max_loaded_loras: int | None = flag(
         None, "Most adapters held in host memory (POST /load_lora_adapter beyond it is a 400). "
               "Default: no limit.", "lora", min=1)
+    lora_dtype: str = flag(
+        "auto", "What the resident adapters' A and B are held in (vLLM's --lora-dtype). auto: int8 "
+                "with a scale per row where activations are int8 (a decode step streams every "
+                "adapter row's weights: fewer bytes, a faster step), else the model's dtype "
+                "(docs/lora.md, \"Precision\").", "lora",
+        choices=["auto", "float32", "bfloat16", "float16", "int8"])
     tp_size: int = flag(1, "Tensor-parallel ranks per replica.", "parallelism", min=1)
     pp_size: int = flag(1, "Pipeline stages per replica.", "parallelism", min=1)
     pp_micro_batches: int | None = flag(

@@ -17,7 +17,7 @@ from lockstep.kernels.blocks import (
                                   row_bytes,
                                   unpack_for_int8,
 )
-from lockstep.kernels.dispatch import GROUP
+from lockstep.kernels.dispatch import GROUP, LORA_SLOT_TYPES
 from lockstep.kernels.layer_consts import LayerConsts
 from lockstep.kernels.ops import (
                                   act_and_mul,
@@ -40,7 +40,7 @@ from lockstep.kernels.ops import (
 )
 from lockstep.kernels.reference import COMPILED_ACTS
 
-__all__ = ["COMPILED_ACTS", "GGML_BLOCKS", "GROUP", "INT8_QTYPES", "BlockType", "LayerConsts", "act_and_mul",
+__all__ = ["COMPILED_ACTS", "GGML_BLOCKS", "GROUP", "INT8_QTYPES", "LORA_SLOT_TYPES", "BlockType", "LayerConsts", "act_and_mul",
            "add_rms_norm", "argmax", "block_type", "compiled", "decode_attention", "decoder_layer", "dequantize",
            "embedding", "kernel_variant", "linear", "linear_bf16", "linear_int8", "linear_int8_parts", "linear_parts",
            "lora_sgmv", "qk_norm_rope", "quantize", "rms_norm", "rotate", "row_bytes", "unpack_for_int8"]

@@ -63,6 +63,7 @@ class Table:
 
 
 _KV_TYPES = (torch.float32, torch.float16, torch.bfloat16)  # the K/V pool types the attention kernel reads
+LORA_SLOT_TYPES = (torch.float32, torch.bfloat16, torch.int8)  # what lora_sgmv's compiled kernel reads slots in
 
 
 def _cpu_f32(*ts: torch.Tensor) -> bool:
@@ -79,14 +80,15 @@ def _rows(*ts: torch.Tensor, dims: tuple[int, ...] = (2,)) -> bool:  # float32 C
     return _cpu_f32(*ts) and all(t.dim() in dims and t.stride(-1) == 1 for t in ts)
 
 
-def _slots_fit(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """LoRA slots: float32 or bfloat16, both alike, each slot contiguous (the slots at any stride
-    apart: views into lora/layers.py's per-slot buffers)."""
+def _slots_fit(a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> bool:
+    """LoRA slots: float32, bfloat16 or int8, both alike, float32 scales, each slot contiguous (the
+    slots at any stride apart: views into lora/layers.py's per-slot buffers)."""
     def each_slot_contiguous(t: torch.Tensor) -> bool:
         return t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) >= t.shape[1] * t.shape[2]
 
-    return (a.device.type == b.device.type == "cpu" and a.dtype == b.dtype in (torch.float32, torch.bfloat16)
-            and a.dim() == b.dim() == 3 and each_slot_contiguous(a) and each_slot_contiguous(b))
+    return (a.device.type == b.device.type == scales.device.type == "cpu" and a.dtype == b.dtype in LORA_SLOT_TYPES
+            and a.dim() == b.dim() == 3 and each_slot_contiguous(a) and each_slot_contiguous(b)
+            and scales.dtype == torch.float32 and scales.dim() == 2 and scales.stride(1) == 1)
 
 
 def _compiled_ops(mod: ModuleType, variant: str) -> dict[str, Callable[..., Any]]:
@@ -147,8 +149,8 @@ _TAKES: dict[str, Callable[..., bool]] = {
     "add_rms_norm": lambda h, x, wx, wy, eps: _rows(h, x),
     "qk_norm_rope": lambda qkv, n_q, n_kv, d, qw, kw, cos, sin, eps: _rows(qkv, cos, sin, dims=(1, 2, 3)),
     "act_and_mul": lambda g, act: _rows(g),
-    "lora_sgmv": lambda y, x, a, b, ranks, slots, splits: (
-        _rows(y, x) and x.shape[1] % GROUP == 0 and _slots_fit(a, b) and ranks.device.type == "cpu"
+    "lora_sgmv": lambda y, x, a, b, scales, ranks, slots, splits: (
+        _rows(y, x) and x.shape[1] % GROUP == 0 and _slots_fit(a, b, scales) and ranks.device.type == "cpu"
         and slots.device.type == "cpu"),
     "decoder_layer": lambda h, *_: _rows(h),
 }

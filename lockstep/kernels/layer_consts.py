@@ -40,6 +40,7 @@ class LayerConsts:
     # a linear without them: an empty tensor (lora/layers.LoraLinear keeps them, and fills them in place)
     lora_a: list[torch.Tensor] = field(default_factory=list)
     lora_b: list[torch.Tensor] = field(default_factory=list)
+    lora_scales: list[torch.Tensor] = field(default_factory=list)
     lora_ranks: list[torch.Tensor] = field(default_factory=list)
     lora_splits: list[list[int]] = field(default_factory=list)
 
@@ -49,7 +50,7 @@ class LayerConsts:
                              f"the {len(self.weights)} weights")
         if not (len(self.weights) == len(self.kinds) == len(self.block_types)):
             raise ValueError("one kind and block type per weight part")
-        lora = {len(self.lora_a), len(self.lora_b), len(self.lora_ranks), len(self.lora_splits)}
+        lora = {len(self.lora_a), len(self.lora_b), len(self.lora_scales), len(self.lora_ranks), len(self.lora_splits)}
         if len(lora) != 1 or lora.pop() not in (0, 4):
             raise ValueError("LoRA operands: none, or one of each per linear")
         if unknown := set(self.kinds) - set(PART_KINDS):

@@ -155,19 +155,20 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return table().act_and_mul(gate_up, act)
 
 
-def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
-              slots: torch.Tensor, splits: Sequence[int]) -> None:
+def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
+              ranks: torch.Tensor, slots: torch.Tensor, splits: Sequence[int]) -> None:
     """LoRA adapters' low-rank products beside one linear, every adapter's rows in one call (Punica's
     SGMV): y[t] += B_s A_s x[t] in place for each row t of slot s = slots[t] >= 0 (-1: the base).
     x [T, K], y [T, N]; the slots' weights stacked: a [S, M R, K] (module m's A in rows m R ..
     m R + ranks[s, m]), b [S, R, N] (B transposed, module m's outputs in columns splits[m] ..
-    splits[m + 1], the scaling folded in), float32 or bfloat16 (widened to float32 as they are
-    read); ranks int64 [S, M], slots int64 [T]. Each row's numbers depend on that row alone
-    (csrc/lora.cpp states the compiled order)."""
+    splits[m + 1], the scaling folded in), float32, bfloat16 or int8 (widened to float32 as they are
+    read); scales float32 [S, M R] (each shrink result times its row's: 1 for float slots, A's and
+    B's row scales multiplied for int8 ones); ranks int64 [S, M], slots int64 [T]. Each row's
+    numbers depend on that row alone (csrc/lora.cpp states the compiled order)."""
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or slots.shape != (x.shape[0],):
         raise ValueError(f"lora_sgmv takes x [T, K], y [T, N], slots [T]; got {list(x.shape)}, "
                          f"{list(y.shape)}, {list(slots.shape)}")
-    table().lora_sgmv(y, x, a, b, ranks, slots, splits)
+    table().lora_sgmv(y, x, a, b, scales, ranks, slots, splits)
 
 
 def decoder_layer(h: torch.Tensor, consts: LayerConsts, cos: torch.Tensor, sin: torch.Tensor,

@@ -78,10 +78,11 @@ def rowwise(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.unsqueeze(1), wt.expand(x.shape[0], *wt.shape)).squeeze(1)
 
 
-def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
-              slots: torch.Tensor, splits: Sequence[int]) -> None:
+def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
+              ranks: torch.Tensor, slots: torch.Tensor, splits: Sequence[int]) -> None:
     # slot by slot, module by module, each product row-wise (csrc/lora.cpp states the layout), the
-    # slots' values widened to x's type first as the kernel widens them (bfloat16 slots, float32 rows);
+    # slots' values widened to x's type first as the kernel widens them (bfloat16 or int8 slots, float32
+    # rows), each shrink result times its row's scale;
     # index_add_ adds each row's delta once (the rows are distinct), so it is deterministic on GPUs too
     r_max = b.shape[1]
     present = slots[slots >= 0]
@@ -91,7 +92,8 @@ def lora_sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         delta = torch.zeros(len(rows), y.shape[1], dtype=y.dtype, device=y.device)
         for m, r in enumerate(ranks[s].tolist()):
             if r:
-                u = rowwise(xs, a[s, m * r_max:m * r_max + r].to(x.dtype).T)
+                rows_m = slice(m * r_max, m * r_max + r)
+                u = rowwise(xs, a[s, rows_m].to(x.dtype).T) * scales[s, rows_m].to(x.dtype)
                 delta[:, splits[m]:splits[m + 1]] = rowwise(u, b[s, :r, splits[m]:splits[m + 1]].to(x.dtype))
         y.index_add_(0, rows, delta)
 
@@ -156,7 +158,7 @@ def decoder_layer(h: torch.Tensor, consts: LayerConsts, cos: torch.Tensor, sin: 
     def matmul(x: torch.Tensor, i: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = _parts_matmul(x, c, starts_[i], ends[i], c.in_features[i], bias)
         if lora_slots is not None and c.lora_a and c.lora_a[i].numel():
-            lora_sgmv(y, x, c.lora_a[i], c.lora_b[i], c.lora_ranks[i], lora_slots, c.lora_splits[i])
+            lora_sgmv(y, x, c.lora_a[i], c.lora_b[i], c.lora_scales[i], c.lora_ranks[i], lora_slots, c.lora_splits[i])
         return y
 
     qkv = matmul(rms_norm(h, c.norms[0], c.eps), 0, c.qkv_bias)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from lockstep.configs.model_config import ModelConfig
 from lockstep.lora.adapter import AdapterError, LoraAdapter, fits_error, read_peft
 from lockstep.lora.gguf_adapter import is_gguf, read_gguf_lora
-from lockstep.lora.layers import LoraLayers
+from lockstep.lora.layers import LoraLayers, slot_dtype
 from lockstep.messages import LoadLoraAdapterReq, LoraUpdateOut, UnloadLoraAdapterReq
 
 logger = logging.getLogger(__name__)
@@ -136,8 +136,9 @@ def create_lora_manager(args, runner) -> LoraManager:  # noqa: ANN001 - ServerAr
     targets = parse_targets(args.lora_target_modules) or (
         frozenset().union(*(a.config.targets for a in first)) if first else frozenset(TARGET_MODULES))
     max_rank = args.max_lora_rank or max((a.rank for a in first), default=DEFAULT_MAX_RANK)
+    target = runner.weight_plan.target
     runner.lora = LoraLayers(runner.model, targets, args.max_loras_per_batch, max_rank,
-                             runner.weight_plan.target)
+                             slot_dtype(target, args.lora_dtype), target.device)
     manager = LoraManager(runner.lora, cfg, max_rank, targets, args.max_loaded_loras)
     for adapter in first:
         done = manager.load(adapter.name, adapter.path)

@@ -59,7 +59,7 @@ def _lora_fits(lora: Any, lin: nn.Module) -> bool:
     """Whether the layer's kernel runs this linear's LoRA products (lora.layers.LoraLinear, None
     where it has no adapter slots) as its module would: on the compiled lora_sgmv."""
     return lora is None or (kernels.compiled("lora_sgmv") and lin.in_features % kernels.GROUP == 0
-                            and lora.a.dtype in (torch.float32, torch.bfloat16) and lora.a.device.type == "cpu")
+                            and lora.a.dtype in kernels.LORA_SLOT_TYPES and lora.a.device.type == "cpu")
 
 
 def _lora_consts(loras: list[Any]) -> dict[str, list]:
@@ -69,6 +69,7 @@ def _lora_consts(loras: list[Any]) -> dict[str, list]:
     none = torch.empty(0)
     return {"lora_a": [none if lo is None else lo.a for lo in loras],
             "lora_b": [none if lo is None else lo.b for lo in loras],
+            "lora_scales": [none if lo is None else lo.scales for lo in loras],
             "lora_ranks": [none if lo is None else lo.ranks for lo in loras],
             "lora_splits": [[] if lo is None else lo.splits for lo in loras]}
 

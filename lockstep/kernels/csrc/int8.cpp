@@ -601,7 +601,7 @@ at::Tensor linear_int8_parts_lora(const at::Tensor& x, const std::vector<at::Ten
       });
     }
   }
-  if (lora) lora_sgmv(y, x, lora->a, lora->b, lora->ranks, lora->slots, lora->splits);
+  if (lora) lora_sgmv(y, x, lora->a, lora->b, lora->scales, lora->ranks, lora->slots, lora->splits);
   return y;
 }
 

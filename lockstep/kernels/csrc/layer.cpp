@@ -46,7 +46,7 @@ at::Tensor parts_matmul(const at::Tensor& x, const LayerConsts& c, int64_t lo, i
     y = outs.size() == 1 ? outs[0] : at::cat(outs, -1);
     if (bias) y = y + *bias;
   }
-  if (lora) lora_sgmv(y, x, lora->a, lora->b, lora->ranks, lora->slots, lora->splits);
+  if (lora) lora_sgmv(y, x, lora->a, lora->b, lora->scales, lora->ranks, lora->slots, lora->splits);
   return y;
 }
 
@@ -65,7 +65,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Te
     at_part += c.part_counts[i];
     if (!lora_slots || c.lora_a.empty() || !c.lora_a[i].numel())
       return parts_matmul(x, c, lo, at_part, c.in_features[i], bias, nullptr);
-    const LoraOperands lora{c.lora_a[i], c.lora_b[i], c.lora_ranks[i], *lora_slots, c.lora_splits[i]};
+    const LoraOperands lora{c.lora_a[i], c.lora_b[i], c.lora_scales[i], c.lora_ranks[i], *lora_slots, c.lora_splits[i]};
     return parts_matmul(x, c, lo, at_part, c.in_features[i], bias, &lora);
   };
   const int64_t hq = c.n_q, hk = c.n_kv, dh = c.head_dim;
@@ -97,8 +97,8 @@ void check_layer_consts(const LayerConsts& c) {
                   static_cast<int64_t>(c.weights.size()) == parts,
               "one kind and block type per weight part, part_counts adding up to them");
   const size_t lora = c.lora_a.size();
-  TORCH_CHECK((lora == 0 || lora == 4) && c.lora_b.size() == lora && c.lora_ranks.size() == lora &&
-                  c.lora_splits.size() == lora,
+  TORCH_CHECK((lora == 0 || lora == 4) && c.lora_b.size() == lora && c.lora_scales.size() == lora &&
+                  c.lora_ranks.size() == lora && c.lora_splits.size() == lora,
               "LoRA operands: none, or one of each per linear");
 }
 

@@ -7,18 +7,21 @@
 //   a [S, M * R, K]      slot s's A: module m's rows are m * R .. m * R + ranks[s, m]
 //   b [S, R, N]          slot s's B transposed: b[s, j, n] = B_m[n - splits[m], j] for n in module m's
 //                        output columns splits[m] .. splits[m + 1] (the adapter's scaling folded in)
+//   scales [S, M R]      float32, each A row's shrink result is multiplied by (1 where a and b are floats;
+//                        int8 slots: A row i's scale times B row i's, as lora/layers.py quantizes them)
 //   ranks [S, M] int64   each slot's rank per module (0: the module is not adapted, nothing is added)
-// Each slot's a and b are contiguous; the slots may lie at any stride apart (lora/layers.py keeps one
-// buffer per slot, every linear's A and B views into it, so that one adapter's weights are one run).
-// a and b are both float32 or both bfloat16 (lora/layers.slot_dtype decides): bfloat16 halves the bytes
-// a decode step streams per adapter row, and each value is widened exactly to float32 as it is loaded
-// (its 16 bits shifted into the high half), so everything below is float32 either way.
+// Each slot's a, b and scales are contiguous; the slots may lie at any stride apart (lora/layers.py keeps
+// one buffer per slot, every linear's A and B views into it, so that one adapter's weights are one run).
+// a and b are both float32, both bfloat16 or both int8 (lora/layers.slot_dtype decides): a decode step
+// streams every adapter row's A and B from memory, so fewer bytes is what one user's step feels; each
+// value is widened exactly to float32 as it is loaded (bfloat16's 16 bits shifted into the high half,
+// int8 converted), so everything below is float32 whatever the slots hold.
 // Arithmetic contract, one row at a time (so a row's bits never depend on the other rows, how many
 // there are, their slots or the threads; the same on the AVX2 and AVX-512 builds, and in
 // tests/kernels/test_lora_kernel.py's torch emulation, which is why products and sums are not fused):
 //   shrink  u[i] = A row i . x[t]: element k's product goes to lane k % 32 of a 32-lane accumulator
 //           (acc = acc + x * a, in increasing k, from 0), then the lanes are summed by linear.cpp's tree
-//           (i + i+16, i + i+8, i + i+4, i + i+2, i + i+1)
+//           (i + i+16, i + i+8, i + i+4, i + i+2, i + i+1), and that sum times scales[s, i]
 //   expand  d[n] = 0; d = d + b[s, j, n] * u[m R + j] for j = 0 .. ranks[s, m] - 1; then y[t, n] += d
 // Rows of one slot next to each other share each load of A and B (up to kRowTile rows): the reason the
 // scheduler orders a batch by slot (LoraManager.grouped). Threads split both phases into small items
@@ -40,11 +43,13 @@ constexpr int64_t kShrinkRows = 8;  // A rows per shrink work item
 constexpr int64_t kExpandCols = 64;  // output columns per expand work item
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead A is fetched
 
-// The slots' element types: float, or bfloat16 as its bits (widened exactly as it is loaded)
+// The slots' element types: float, bfloat16 as its bits, or int8 (each widened exactly as it is loaded)
 using bf16 = uint16_t;
 inline V wload(const float* p) { return vload(p); }
 inline V wload(const bf16* p) { return from_bf16(reinterpret_cast<const uint8_t*>(p)); }
+inline V wload(const int8_t* p) { return from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline float wvalue(float w) { return w; }
+inline float wvalue(int8_t w) { return static_cast<float>(w); }
 inline float wvalue(bf16 w) {
   const uint32_t bits = static_cast<uint32_t>(w) << 16;
   float f;
@@ -52,9 +57,10 @@ inline float wvalue(bf16 w) {
   return f;
 }
 
-// u[i * us + j] = A row j . x row i, for i < MT rows (stride xs) and j < NT rows of A (stride k)
+// u[i * us + j] = (A row j . x row i) * scale[j], for i < MT rows (stride xs) and j < NT rows of A (stride k)
 template <int MT, int NT, class W>
-inline void shrink_tile(const float* x, int64_t xs, const W* a, int64_t k, float* u, int64_t us) {
+inline void shrink_tile(const float* x, int64_t xs, const W* a, const float* scale, int64_t k, float* u,
+                        int64_t us) {
   V acc[MT][NT][2];
   UNROLL for (int i = 0; i < MT; ++i)
     UNROLL for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = vzero();
@@ -62,9 +68,10 @@ inline void shrink_tile(const float* x, int64_t xs, const W* a, int64_t k, float
     V w0[NT], w1[NT];
     UNROLL for (int j = 0; j < NT; ++j) {
       // A streams from memory (8 adapters' slots do not stay in cache): fetch ahead, into the
-      // rows that follow (a slot's rows are contiguous); 32 elements are one line in bfloat16, two in float
+      // rows that follow (a slot's rows are contiguous); 32 elements are half a line in int8, one in
+      // bfloat16, two in float
       const char* ahead = reinterpret_cast<const char*>(a + j * k + c) + kPrefetchBytes;
-      _mm_prefetch(ahead, _MM_HINT_T0);
+      if (sizeof(W) > 1 || c % 64 == 0) _mm_prefetch(ahead, _MM_HINT_T0);
       if (sizeof(W) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
       w0[j] = wload(a + j * k + c);
       w1[j] = wload(a + j * k + c + 16);
@@ -78,23 +85,23 @@ inline void shrink_tile(const float* x, int64_t xs, const W* a, int64_t k, float
     }
   }
   UNROLL for (int i = 0; i < MT; ++i)
-    UNROLL for (int j = 0; j < NT; ++j) u[i * us + j] = reduce32(acc[i][j][0], acc[i][j][1]);
+    UNROLL for (int j = 0; j < NT; ++j) u[i * us + j] = reduce32(acc[i][j][0], acc[i][j][1]) * scale[j];
 }
 
 // u[i * us + j] for rows j of A [j0, j1): as many A rows at once as the accumulators fit in
 // registers (more rows in flight, more of memory's latency hidden: one row is a decode step's case)
 template <int MT, class W>
-void shrink_rows(const float* x, int64_t xs, const W* a, int64_t k, float* u, int64_t us, int64_t j0,
-                 int64_t j1) {
+void shrink_rows(const float* x, int64_t xs, const W* a, const float* scale, int64_t k, float* u, int64_t us,
+                 int64_t j0, int64_t j1) {
 #ifdef LOCKSTEP_AVX512
   constexpr int kRows = MT == 1 ? 8 : MT == 2 ? 4 : 2;
 #else
   constexpr int kRows = MT == 1 ? 4 : 2;
 #endif
   int64_t j = j0;
-  for (; j + kRows <= j1; j += kRows) shrink_tile<MT, kRows>(x, xs, a + j * k, k, u + j, us);
-  for (; j + 2 <= j1; j += 2) shrink_tile<MT, 2>(x, xs, a + j * k, k, u + j, us);
-  if (j < j1) shrink_tile<MT, 1>(x, xs, a + j * k, k, u + j, us);
+  for (; j + kRows <= j1; j += kRows) shrink_tile<MT, kRows>(x, xs, a + j * k, scale + j, k, u + j, us);
+  for (; j + 2 <= j1; j += 2) shrink_tile<MT, 2>(x, xs, a + j * k, scale + j, k, u + j, us);
+  if (j < j1) shrink_tile<MT, 1>(x, xs, a + j * k, scale + j, k, u + j, us);
 }
 
 // y[i * ys + n] += sum_j b[j * bs + n] * u[i * us + j] (j < r, in order) for columns n .. n + 16 NV: NV
@@ -154,15 +161,17 @@ std::pair<int64_t, int64_t> share(int64_t n, int64_t part, int64_t parts) {
 }
 
 template <class W>
-void shrink_items(const LoraPlan::Items& items, const float* x, int64_t xs, const W* ap, int64_t a_slot, float* u,
-                  int64_t us, int64_t k, int64_t r_max, int64_t part, int64_t parts) {
+void shrink_items(const LoraPlan::Items& items, const float* x, int64_t xs, const W* ap, int64_t a_slot,
+                  const float* sp, int64_t s_slot, float* u, int64_t us, int64_t k, int64_t r_max, int64_t part,
+                  int64_t parts) {
   const auto [w0, w1] = share(static_cast<int64_t>(items.size()), part, parts);
   for (int64_t w = w0; w < w1; ++w) {
     const LoraPlan::Item& it = items[w];
     const W* arows = ap + it.slot * a_slot + it.module * r_max * k;
+    const float* scale = sp + it.slot * s_slot + it.module * r_max;
     float* urow = u + it.row0 * us + it.module * r_max;
     by_rows(it.rows, [&](auto mt) {
-      shrink_rows<decltype(mt)::value>(x + it.row0 * xs, xs, arows, k, urow, us, it.lo, it.hi);
+      shrink_rows<decltype(mt)::value>(x + it.row0 * xs, xs, arows, scale, k, urow, us, it.lo, it.hi);
     });
   }
 }
@@ -182,18 +191,28 @@ void expand_items(const LoraPlan::Items& items, const float* u, int64_t us, cons
   }
 }
 
+// f(W{}) for the slots' element type
+template <class F>
+void by_type(at::ScalarType type, F f) {
+  switch (type) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(bf16{}); break;
+    default: f(int8_t{}); break;  // the plan's checks let nothing else through
+  }
+}
+
 }  // namespace
 
 LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
-  const at::Tensor &a = op.a, &b = op.b, &ranks = op.ranks, &slots = op.slots;
+  const at::Tensor &a = op.a, &b = op.b, &scales = op.scales, &ranks = op.ranks, &slots = op.slots;
   const auto& splits = op.splits;
   const int64_t t = x.size(0), k = x.size(1), m = static_cast<int64_t>(splits.size()) - 1;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && k % 32 == 0,
               "lora_sgmv: float32 rows x [T, K] (K whole groups of 32)");
   const auto wtype = a.scalar_type();
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && b.scalar_type() == wtype &&
-                  (wtype == at::kFloat || wtype == at::kBFloat16) && m >= 1,
-              "lora_sgmv: a [S, M R, K], b [S, R, N], both float32 or both bfloat16");
+                  (wtype == at::kFloat || wtype == at::kBFloat16 || wtype == at::kChar) && m >= 1,
+              "lora_sgmv: a [S, M R, K], b [S, R, N], both float32, both bfloat16 or both int8");
   const int64_t s_count = a.size(0), r_max = b.size(1), n = b.size(2);
   TORCH_CHECK(a.size(1) == m * r_max && a.size(2) == k && b.size(0) == s_count && splits.front() == 0 &&
                   splits.back() == n,
@@ -201,6 +220,9 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
   TORCH_CHECK(a.stride(2) == 1 && a.stride(1) == k && a.stride(0) >= m * r_max * k && b.stride(2) == 1 &&
                   b.stride(1) == n && b.stride(0) >= r_max * n,
               "lora_sgmv: each slot's a and b contiguous (the slots at any stride apart)");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == s_count &&
+                  scales.size(1) == m * r_max && scales.stride(1) == 1,
+              "lora_sgmv: scales float32 [S, M R], each slot's contiguous");
   TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.dim() == 2 &&
                   ranks.size(0) == s_count && ranks.size(1) == m,
               "lora_sgmv: ranks int64 [S, M]");
@@ -211,27 +233,35 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] < s_count, "lora_sgmv: slot ", sp[i], " of ", s_count);
   for (int64_t i = 0; i < m; ++i) TORCH_CHECK(splits[i] <= splits[i + 1], "lora_sgmv: splits must not decrease");
   for (int64_t i = 0; i < s_count * m; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] <= r_max, "lora_sgmv: rank ", rp[i]);
-  // the work: tiles of up to kRowTile consecutive rows of one slot, split by A rows, then by columns
-  for (int64_t i = 0; i < t;) {
-    const int64_t s = sp[i];
-    int64_t e = i + 1;
-    while (e < t && e - i < kRowTile && sp[e] == s) ++e;
-    if (s >= 0) {
-      for (int64_t mod = 0; mod < m; ++mod) {
-        const int64_t r = rp[s * m + mod];
-        if (r == 0) continue;
-        for (int64_t j = 0; j < r; j += kShrinkRows)
-          shrink_.push_back({i, e - i, s, mod, j, std::min(r, j + kShrinkRows)});
-        for (int64_t c = splits[mod]; c < splits[mod + 1]; c += kExpandCols)
-          expand_.push_back({i, e - i, s, mod, c, std::min(splits[mod + 1], c + kExpandCols)});
-      }
+  // the work: tiles of up to kRowTile consecutive rows of one slot, split by A rows, then by columns;
+  // counted first, so that each list is allocated once (a plan per linear, 120 a decode step)
+  auto tiles = [&](auto each) {
+    for (int64_t i = 0; i < t;) {
+      const int64_t s = sp[i];
+      int64_t e = i + 1;
+      while (e < t && e - i < kRowTile && sp[e] == s) ++e;
+      for (int64_t mod = 0; s >= 0 && mod < m; ++mod)
+        if (rp[s * m + mod]) each(i, e, s, mod, rp[s * m + mod]);
+      i = e;
     }
-    i = e;
-  }
+  };
+  size_t n_shrink = 0, n_expand = 0;
+  tiles([&](int64_t, int64_t, int64_t, int64_t mod, int64_t r) {
+    n_shrink += (r + kShrinkRows - 1) / kShrinkRows;
+    n_expand += (splits[mod + 1] - splits[mod] + kExpandCols - 1) / kExpandCols;
+  });
+  shrink_.reserve(n_shrink);
+  expand_.reserve(n_expand);
+  tiles([&](int64_t i, int64_t e, int64_t s, int64_t mod, int64_t r) {
+    for (int64_t j = 0; j < r; j += kShrinkRows) shrink_.push_back({i, e - i, s, mod, j, std::min(r, j + kShrinkRows)});
+    for (int64_t c = splits[mod]; c < splits[mod + 1]; c += kExpandCols)
+      expand_.push_back({i, e - i, s, mod, c, std::min(splits[mod + 1], c + kExpandCols)});
+  });
   x_ = x.data_ptr<float>();
   xs_ = x.stride(0);
   a_slot_ = a.stride(0);
   b_slot_ = b.stride(0);
+  s_slot_ = scales.stride(0);
   k_ = k;
   m_ = m;
   n_ = n;
@@ -241,21 +271,21 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
 
 void LoraPlan::shrink(int64_t part, int64_t parts) {
   const int64_t us = m_ * r_max_;
-  if (op_.a.scalar_type() == at::kFloat)
-    shrink_items(shrink_, x_, xs_, op_.a.data_ptr<float>(), a_slot_, u_.data(), us, k_, r_max_, part, parts);
-  else
-    shrink_items(shrink_, x_, xs_, static_cast<const bf16*>(op_.a.data_ptr()), a_slot_, u_.data(), us, k_, r_max_,
-                 part, parts);
+  by_type(op_.a.scalar_type(), [&](auto w) {
+    using W = decltype(w);
+    shrink_items(shrink_, x_, xs_, static_cast<const W*>(op_.a.data_ptr()), a_slot_, op_.scales.data_ptr<float>(),
+                 s_slot_, u_.data(), us, k_, r_max_, part, parts);
+  });
 }
 
 void LoraPlan::expand(float* y, int64_t ys, int64_t part, int64_t parts) const {
   const int64_t us = m_ * r_max_;
   const int64_t* rp = op_.ranks.data_ptr<int64_t>();
-  if (op_.b.scalar_type() == at::kFloat)
-    expand_items(expand_, u_.data(), us, op_.b.data_ptr<float>(), b_slot_, rp, m_, n_, r_max_, y, ys, part, parts);
-  else
-    expand_items(expand_, u_.data(), us, static_cast<const bf16*>(op_.b.data_ptr()), b_slot_, rp, m_, n_, r_max_, y,
-                 ys, part, parts);
+  by_type(op_.b.scalar_type(), [&](auto w) {
+    using W = decltype(w);
+    expand_items(expand_, u_.data(), us, static_cast<const W*>(op_.b.data_ptr()), b_slot_, rp, m_, n_, r_max_, y, ys,
+                 part, parts);
+  });
 }
 
 void LoraPlan::run(int64_t threads, const std::function<void(int64_t, int64_t)>& before, float* y, int64_t ys) {
@@ -273,8 +303,9 @@ void LoraPlan::run(int64_t threads, const std::function<void(int64_t, int64_t)>&
 }
 
 void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-               const at::Tensor& ranks, const at::Tensor& slots, const std::vector<int64_t>& splits) {
-  LoraPlan plan(x, {a, b, ranks, slots, splits});
+               const at::Tensor& scales, const at::Tensor& ranks, const at::Tensor& slots,
+               const std::vector<int64_t>& splits) {
+  LoraPlan plan(x, {a, b, scales, ranks, slots, splits});
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.stride(1) == 1 && y.size(0) == x.size(0) &&
                   y.size(1) == b.size(2),
               "lora_sgmv: float32 rows y [T, N]");

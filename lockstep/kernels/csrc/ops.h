@@ -43,11 +43,13 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, const std::string& act);
 // lora.cpp: every LoRA adapter's low-rank product beside one linear, the whole batch in one call
 // (y += B_s A_s x per row, s the row's slot; y in place)
 void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-               const at::Tensor& ranks, const at::Tensor& slots, const std::vector<int64_t>& splits);
+               const at::Tensor& scales, const at::Tensor& ranks, const at::Tensor& slots,
+               const std::vector<int64_t>& splits);
 // lora_sgmv's operands but the rows: one linear's adapter slots and this forward's slot per row
 struct LoraOperands {
   const at::Tensor& a;
   const at::Tensor& b;
+  const at::Tensor& scales;
   const at::Tensor& ranks;
   const at::Tensor& slots;
   const std::vector<int64_t>& splits;
@@ -74,7 +76,7 @@ class LoraPlan {
   Items shrink_, expand_;
   std::vector<float> u_;  // each row's shrink results, [T, M R]
   const float* x_ = nullptr;
-  int64_t xs_ = 0, a_slot_ = 0, b_slot_ = 0, k_ = 0, m_ = 0, n_ = 0, r_max_ = 0;  // a_slot_, b_slot_: strides
+  int64_t xs_ = 0, a_slot_ = 0, b_slot_ = 0, s_slot_ = 0, k_ = 0, m_ = 0, n_ = 0, r_max_ = 0;  // *_slot_: strides
 };
 // layer.cpp: a whole decoder layer of the float32 path, the ops above in the modules' order.
 // How each weight part is multiplied: the weight plan's kinds (layers/block_weight.Kind), by name.
@@ -105,6 +107,7 @@ enum class PartKind : int64_t { kExact = 0, kInt8 = 1, kFloat = 2 };
   /* LoRA (lora_sgmv's operands), per linear, or all empty where the layer has no adapter slots: */     \
   X(std::vector<at::Tensor>, lora_a)      /* the slots' A [S, M R, K] (no elements: not adapted) */     \
   X(std::vector<at::Tensor>, lora_b)      /* B transposed [S, R, N] */                                 \
+  X(std::vector<at::Tensor>, lora_scales) /* float32 [S, M R] */                                       \
   X(std::vector<at::Tensor>, lora_ranks)  /* int64 [S, M], written in place as slots are filled */     \
   X(std::vector<std::vector<int64_t>>, lora_splits)  /* each module's output columns */
 struct LayerConsts {
