@@ -9,7 +9,7 @@ to the next (a one-user step is a few milliseconds, and this shared machine's sp
 than the adapter's cost over the seconds between runs one after the other). The median decode step
 of each is reported.
 
-    PYTHONPATH=. python benchmarks/lora_batch.py [--model smollm2-135m-instruct] [--repeats 3]
+    PYTHONPATH=. python benchmarks/lora_batch.py [--model smollm2-135m-instruct] [--repeats 3] [--lora-dtype auto]
 
 Figures: docs/benchmarks.md, "LoRA adapters in a batch"."""
 
@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--user-output-len", type=int, default=256, help="tokens of each one-user run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lora-dtype", default="auto", help="the servers' --lora-dtype (auto: int8 slots here)")
     a = p.parse_args()
     cfg = ModelConfig.from_hf(resolve_model(a.model).hf_config)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
@@ -87,7 +88,7 @@ def main() -> None:
     paths = [f"{n}={random_adapter(cfg, tmp / n, seed=i, rank=a.rank)}" for i, n in enumerate(names)]
     common = dict(model_path=a.model, speculative_algorithm="NONE", max_running_requests=a.concurrency,
                   max_total_tokens=a.concurrency * (a.input_len + a.output_len + 8))
-    with_lora = dict(lora_paths=paths, max_loras_per_batch=a.adapters)
+    with_lora = dict(lora_paths=paths, max_loras_per_batch=a.adapters, lora_dtype=a.lora_dtype)
     plain, lora = create_scheduler(ServerArgs(**common)), create_scheduler(ServerArgs(**common, **with_lora))
     # the one-user cases on schedulers of their own, alike (none has served the batches)
     one = dict(common, max_running_requests=1, max_total_tokens=a.input_len + a.user_output_len + 8)
@@ -106,10 +107,13 @@ def main() -> None:
     for sched, ps, ls in [*cases.values(), *[(s, [p], [lo]) for s, p, lo in users.values()]]:  # warm-up
         run(sched, ps[:2], ls[:2], 4)
     times: dict[str, list[float]] = {k: [] for k in [*cases, *users]}
-    for _ in range(a.repeats):
+    for r in range(a.repeats):
         for name, (sched, ps, ls) in cases.items():
             times[name].append(run(sched, ps, ls, a.output_len))
-        for name, steps in zip(users, run_side_by_side(list(users.values()), a.user_output_len)):
+        # each round starts the turn at another case: the place in the turn moved identical
+        # schedulers' steps by 2-3% (the first after the others slowest)
+        order = [*users][r % len(users):] + [*users][:r % len(users)]
+        for name, steps in zip(order, run_side_by_side([users[n] for n in order], a.user_output_len)):
             times[name].append(statistics.median(steps))
     med = {k: statistics.median(v) for k, v in times.items()}
     width = max(map(len, med))
