@@ -199,11 +199,14 @@ class ServerArgs:
         100_000, "N-grams of finished requests kept for drafting.", "speculative decoding", min=0)
     enable_lora: bool = flag(False, "Serve LoRA adapters (implied by --lora-paths; docs/lora.md).", "lora")
     lora_paths: list[str] = flag(
-        [], "PEFT adapter directories loaded at start, as name=path (a request names its adapter: "
-            "lora_path on /generate, model 'base:name' or 'name' on the OpenAI routes).", "lora")
+        [], "Adapters loaded at start (PEFT directories, or llama.cpp's LoRA GGUFs), as name=path, "
+            "or JSON: {\"lora_name\": ..., \"lora_path\": ...} (SGLang's) or {\"name\": ..., "
+            "\"path\": ...} (vLLM's). A request names its adapter: lora_path on /generate, model "
+            "'base:name' or 'name' on the OpenAI routes. --lora-modules: vLLM's name.", "lora",
+        names=["--lora-modules"])
     max_loras_per_batch: int = flag(
         8, "Adapters resident at once (one batch mixes at most this many); requests for others "
-           "wait until a slot frees.", "lora", min=1)
+           "wait until a slot frees. --max-loras: vLLM's name.", "lora", min=1, names=["--max-loras"])
     max_lora_rank: int | None = flag(
         None, "Largest adapter rank this server loads. Default: the largest of --lora-paths "
               "(64 without them).", "lora", min=1)
@@ -212,7 +215,8 @@ class ServerArgs:
             "or all. Default: those of --lora-paths (all without them).", "lora")
     max_loaded_loras: int | None = flag(
         None, "Most adapters held in host memory (POST /load_lora_adapter beyond it is a 400). "
-              "Default: no limit.", "lora", min=1)
+              "Default: no limit. --max-cpu-loras: vLLM's name.", "lora", min=1,
+        names=["--max-cpu-loras"])
     lora_dtype: str = flag(
         "auto", "What the resident adapters' A and B are held in (vLLM's --lora-dtype). auto: int8 "
                 "with a scale per row where activations are int8 (a decode step streams every "

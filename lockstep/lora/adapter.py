@@ -45,16 +45,37 @@ def parse_targets(names: list[str] | None) -> frozenset[str] | None:
 
 
 def parse_lora_paths(items: list[str]) -> dict[str, str]:
-    """--lora-paths `name=path` (or a bare path, named by itself) as {name: path}."""
+    """--lora-paths as {name: path}: each item `name=path`, a bare path (named by itself), or a JSON
+    object, SGLang's {"lora_name", "lora_path"} or vLLM's {"name", "path"} (--lora-modules)."""
     out: dict[str, str] = {}
     for item in items:
-        name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        if item.lstrip().startswith("{"):
+            name, path = _json_item(item)
+        else:
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
         if not name or not path:
             raise ValueError(f"--lora-paths {item!r}: give name=path")
         if name in out:
             raise ValueError(f"--lora-paths: the name {name!r} is given twice")
         out[name] = path
     return out
+
+
+def _json_item(item: str) -> tuple[str, str]:
+    """(name, path) of a JSON --lora-paths item; a key lockstep would not honour is refused."""
+    try:
+        obj = json.loads(item)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--lora-paths {item!r}: not JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--lora-paths {item!r}: a JSON item is an object")
+    # refused rather than dropped: SGLang's "pinned" and vLLM's "base_model_name" are not honoured
+    if unknown := set(obj) - {"lora_name", "lora_path", "name", "path"}:
+        raise ValueError(f"--lora-paths {item!r}: keys {sorted(unknown)} are not served (only the name and path)")
+    name, path = obj.get("lora_name", obj.get("name")), obj.get("lora_path", obj.get("path"))
+    if not isinstance(name, str) or not isinstance(path, str):
+        raise ValueError(f"--lora-paths {item!r}: give lora_name and lora_path (or name and path) as strings")
+    return name, path
 
 
 def lora_arg_problems(lora_paths: list[str], targets: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from lockstep.cli import serve_parser
+from lockstep.lora.adapter import parse_lora_paths
 from lockstep.server_args import ServerArgs
 from lockstep.utils.flags import from_flags
 
@@ -45,6 +46,23 @@ def test_sglangs_flag_names_and_both_senses_of_booleans():
     assert not _parse("--device", "cuda", "--no-enable-overlap-schedule").overlap_schedule
     assert _parse("--device", "cuda").overlap_schedule  # the device's default
     assert _parse("--enable-mixed-chunk").enable_mixed_chunk
+
+
+def test_vllms_lora_flag_names_and_json_adapters(capsys):
+    """vLLM's --lora-modules, --max-loras, --max-cpu-loras set SGLang's fields; an adapter is
+    name=path or JSON in either server's keys; a key lockstep does not honour is refused."""
+    vllm = _parse("--lora-modules", "a=/x", '{"name": "b", "path": "/y"}', "--max-loras", "2",
+                  "--max-cpu-loras", "4", "--lora-dtype", "bfloat16")
+    sglang = _parse("--lora-paths", '{"lora_name": "a", "lora_path": "/x"}', "b=/y",
+                    "--max-loras-per-batch", "2", "--max-loaded-loras", "4", "--lora-dtype", "bfloat16")
+    assert dataclasses.replace(vllm, lora_paths=[]) == dataclasses.replace(sglang, lora_paths=[])
+    assert (vllm.max_loras_per_batch, vllm.max_loaded_loras) == (2, 4) and vllm.lora_enabled
+    assert parse_lora_paths(vllm.lora_paths) == parse_lora_paths(sglang.lora_paths) == {"a": "/x", "b": "/y"}
+    for item, needle in (('{"name": "a", "path": "/x", "pinned": true}', "['pinned'] are not served"),
+                         ('{"name": "a"}', "give lora_name and lora_path"), ("{oops", "not JSON")):
+        with pytest.raises(SystemExit):
+            _parse("--lora-modules", item)
+        assert needle in capsys.readouterr().err, item
 
 
 def test_bad_values_exit_with_a_message_naming_the_problem(capsys):
