@@ -61,9 +61,10 @@ def test_adapters_served_loaded_and_unloaded_over_http(model_dir: Path, tmp_path
         for model in (f"{base}:a", "a"):
             out = client.completions.create(model=model, prompt=prompts[0], max_tokens=NEW,
                                             temperature=0, extra_body={"ignore_eos": True})
-            assert out.choices[0].text == client.completions.create(
-                model=base, prompt=prompts[0], max_tokens=NEW, temperature=0,
-                extra_body={"ignore_eos": True, "lora_path": "a"}).choices[0].text
+            by_path = client.completions.create(model=base, prompt=prompts[0], max_tokens=NEW, temperature=0,
+                                                extra_body={"ignore_eos": True, "lora_path": "a"})
+            assert out.choices[0].text == by_path.choices[0].text
+            assert (out.model, by_path.model) == (model, base)  # the adapter's spelling answers back
         with pytest.raises(openai.NotFoundError, match="nope"):
             client.completions.create(model=f"{base}:nope", prompt="x", max_tokens=2)
         # SGLang's load route: a third adapter at run time, served at once

@@ -337,12 +337,15 @@ class OpenAIServing:
         or a stream of `chunk`s, one per choice that `step(index, output)` gives."""
         rid = f"{kind}-{uuid.uuid4().hex}"
         created = int(time.time())
+        # a request that named an adapter as its model gets that name back (vLLM answers with the
+        # adapter's name, SGLang with the request's model); the base model's requests, its own
+        model = req.model if req.model and req.model not in self.accepted_names else self.model_name
         if req.stream:
             fan = await start_stream(self.tm, singles, request)
             return SSEResponse(self._stream(fan, req, singles, step, partial(
-                chunk, id=rid, created=created, model=self.model_name)))
+                chunk, id=rid, created=created, model=model)))
         finals = await run_to_completion(self.tm, singles, request)
-        resp = response(id=rid, created=created, model=self.model_name,
+        resp = response(id=rid, created=created, model=model,
                         choices=[whole(index, item) for index, item in enumerate(finals)],
                         usage=usage_of(singles, finals))
         return json_response(resp.model_dump())
