@@ -96,8 +96,8 @@ class LoraLinear:
     def set_slot(self, slot: int, ab: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Slot `slot` holds these modules' (A, B) (None: not adapted). int8 slots: A's rows and B's
         columns (the rows of B transposed) each to 8 bits with a scale of its own, the two scales
-        multiplied into the row's; B's scales from its whole columns, so that every tensor-parallel
-        rank's shard rounds alike (TP 2 == TP 1)."""
+        multiplied into the row's; B's scales from its whole columns, so that a tensor-parallel rank's
+        shard holds exactly the whole module's int8 values for its rows."""
         self.ranks[slot] = 0
         self.a[slot].zero_()
         self.b[slot].zero_()

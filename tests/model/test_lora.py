@@ -269,3 +269,29 @@ def test_a_gguf_lora_file_serves_as_its_peft_directory(adapters, name, tmp_path)
         assert got[f"f32{i}"].output_ids == got[f"dir{i}"].output_ids
         assert got[f"f32{i}"].logprobs == got[f"dir{i}"].logprobs
         assert got[f"f16{i}"].logprobs == pytest.approx(got[f"dir{i}"].logprobs, abs=0.25)  # rounded B, amplified
+
+
+def test_int8_slots_round_each_shard_as_the_whole_module() -> None:
+    """int8 slots: A's rows and B's columns each to 8 bits with a scale of its own, which bring them
+    back within half a step; a tensor-parallel shard of B (the rows its base weight keeps) holds
+    exactly the whole module's int8 values and scales for those rows, since B's scales come from its
+    whole columns."""
+    from lockstep.lora.layers import LoraBatch, LoraLinear
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, 64, generator=g), torch.randn(32, 4, generator=g) * 0.1  # rank 4, 32 outputs
+
+    def slots(rows: tuple[int, int]) -> LoraLinear:
+        out = rows[1] - rows[0]
+        lin = LoraLinear(("o_proj",), [rows], LoraBatch(), torch.zeros(1, 4, 64, dtype=torch.int8),
+                         torch.zeros(1, 4, out, dtype=torch.int8), torch.ones(1, 4))
+        lin.set_slot(0, [(a, b)])
+        return lin
+
+    whole, shard = slots((0, 32)), slots((16, 32))
+    assert torch.equal(shard.a, whole.a) and torch.equal(shard.scales, whole.scales)
+    assert torch.equal(shard.b[0], whole.b[0, :, 16:32])
+    sa, sb = a.abs().amax(1) / 127, b.abs().amax(0) / 127  # what the scales are made of
+    torch.testing.assert_close(whole.scales[0], sa * sb)
+    assert ((whole.a[0].float() * sa[:, None] - a).abs() <= sa[:, None] / 2 * (1 + 1e-6)).all()
+    assert ((whole.b[0].float() * sb[:, None] - b.T).abs() <= sb[:, None] / 2 * (1 + 1e-6)).all()
