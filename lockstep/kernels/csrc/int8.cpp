@@ -574,7 +574,7 @@ at::Tensor linear_int8_parts_lora(const at::Tensor& x, const std::vector<at::Ten
     }
     // the adapters' products in the same region: the shrink beside the base's tiles, the expand after
     // a barrier (one fork a linear instead of two)
-    LoraPlan plan(x, *lora);
+    LoraPlan plan(x, lora->w, lora->slots);
     for (int64_t p = 0; p < parts; ++p) dispatch_int8(types[p], [](auto) {});  // throws here, not in the region
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max((tiles + 7) / 8, plan.items()));
     plan.run(threads, [&](int64_t part, int64_t n_parts) {
@@ -601,7 +601,7 @@ at::Tensor linear_int8_parts_lora(const at::Tensor& x, const std::vector<at::Ten
       });
     }
   }
-  if (lora) lora_sgmv(y, x, lora->a, lora->b, lora->scales, lora->ranks, lora->slots, lora->splits);
+  if (lora) lora_add(y, x, *lora);
   return y;
 }
 

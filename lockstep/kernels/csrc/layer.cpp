@@ -46,7 +46,7 @@ at::Tensor parts_matmul(const at::Tensor& x, const LayerConsts& c, int64_t lo, i
     y = outs.size() == 1 ? outs[0] : at::cat(outs, -1);
     if (bias) y = y + *bias;
   }
-  if (lora) lora_sgmv(y, x, lora->a, lora->b, lora->scales, lora->ranks, lora->slots, lora->splits);
+  if (lora) lora_add(y, x, *lora);
   return y;
 }
 
@@ -63,9 +63,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Te
   auto matmul = [&](const at::Tensor& x, int i, const c10::optional<at::Tensor>& bias) {
     const int64_t lo = at_part;
     at_part += c.part_counts[i];
-    if (!lora_slots || c.lora_a.empty() || !c.lora_a[i].numel())
-      return parts_matmul(x, c, lo, at_part, c.in_features[i], bias, nullptr);
-    const LoraOperands lora{c.lora_a[i], c.lora_b[i], c.lora_scales[i], c.lora_ranks[i], *lora_slots, c.lora_splits[i]};
+    if (!lora_slots || c.lora.empty() || !c.lora[i]) return parts_matmul(x, c, lo, at_part, c.in_features[i], bias, nullptr);
+    const LoraOperands lora{*c.lora[i], *lora_slots};
     return parts_matmul(x, c, lo, at_part, c.in_features[i], bias, &lora);
   };
   const int64_t hq = c.n_q, hk = c.n_kv, dh = c.head_dim;
@@ -88,7 +87,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Te
   return h2 + m;
 }
 
-void check_layer_consts(const LayerConsts& c) {
+void finish_layer_consts(LayerConsts& c) {
   TORCH_CHECK(c.norms.size() == 2 || c.norms.size() == 4, "norms: 2 (Llama) or 4 (Gemma)");
   TORCH_CHECK(c.part_counts.size() == 4 && c.in_features.size() == 4, "four linears: qkv, o, gate_up, down");
   int64_t parts = 0;
@@ -100,6 +99,10 @@ void check_layer_consts(const LayerConsts& c) {
   TORCH_CHECK((lora == 0 || lora == 4) && c.lora_b.size() == lora && c.lora_scales.size() == lora &&
                   c.lora_ranks.size() == lora && c.lora_splits.size() == lora,
               "LoRA operands: none, or one of each per linear");
+  for (size_t i = 0; i < lora; ++i) {
+    if (!c.lora_a[i].numel()) c.lora.emplace_back();  // this linear has no adapter slots
+    else c.lora.emplace_back(LoraWeights(c.lora_a[i], c.lora_b[i], c.lora_scales[i], c.lora_ranks[i], c.lora_splits[i]));
+  }
 }
 
 }  // namespace lockstep

@@ -203,20 +203,22 @@ void by_type(at::ScalarType type, F f) {
 
 }  // namespace
 
-LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
-  const at::Tensor &a = op.a, &b = op.b, &scales = op.scales, &ranks = op.ranks, &slots = op.slots;
-  const auto& splits = op.splits;
-  const int64_t t = x.size(0), k = x.size(1), m = static_cast<int64_t>(splits.size()) - 1;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && k % 32 == 0,
-              "lora_sgmv: float32 rows x [T, K] (K whole groups of 32)");
-  const auto wtype = a.scalar_type();
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && b.scalar_type() == wtype &&
-                  (wtype == at::kFloat || wtype == at::kBFloat16 || wtype == at::kChar) && m >= 1,
+LoraWeights::LoraWeights(const at::Tensor& a_, const at::Tensor& b_, const at::Tensor& scales_,
+                         const at::Tensor& ranks_, const std::vector<int64_t>& splits_)
+    : a(a_), b(b_), scales(scales_), ranks(ranks_), splits(splits_), type(a_.scalar_type()) {
+  m = static_cast<int64_t>(splits.size()) - 1;
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && b.scalar_type() == type &&
+                  (type == at::kFloat || type == at::kBFloat16 || type == at::kChar) && m >= 1,
               "lora_sgmv: a [S, M R, K], b [S, R, N], both float32, both bfloat16 or both int8");
-  const int64_t s_count = a.size(0), r_max = b.size(1), n = b.size(2);
-  TORCH_CHECK(a.size(1) == m * r_max && a.size(2) == k && b.size(0) == s_count && splits.front() == 0 &&
+  s_count = a.size(0);
+  r_max = b.size(1);
+  n = b.size(2);
+  k = a.size(2);
+  TORCH_CHECK(a.size(1) == m * r_max && k % 32 == 0 && b.size(0) == s_count && splits.front() == 0 &&
                   splits.back() == n,
-              "lora_sgmv: a [S, M R, K] and b [S, R, N] for M = len(splits) - 1 modules splitting N");
+              "lora_sgmv: a [S, M R, K] and b [S, R, N] for M = len(splits) - 1 modules splitting N, K whole "
+              "groups of 32");
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(splits[i] <= splits[i + 1], "lora_sgmv: splits must not decrease");
   TORCH_CHECK(a.stride(2) == 1 && a.stride(1) == k && a.stride(0) >= m * r_max * k && b.stride(2) == 1 &&
                   b.stride(1) == n && b.stride(0) >= r_max * n,
               "lora_sgmv: each slot's a and b contiguous (the slots at any stride apart)");
@@ -226,15 +228,31 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
   TORCH_CHECK(ranks.scalar_type() == at::kLong && ranks.is_contiguous() && ranks.dim() == 2 &&
                   ranks.size(0) == s_count && ranks.size(1) == m,
               "lora_sgmv: ranks int64 [S, M]");
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && scales.device().is_cpu() && ranks.device().is_cpu(),
+              "lora_sgmv: CPU tensors");
+  ap = a.data_ptr();
+  bp = b.data_ptr();
+  sp = scales.data_ptr<float>();
+  rp = ranks.data_ptr<int64_t>();
+  a_slot = a.stride(0);
+  b_slot = b.stride(0);
+  s_slot = scales.stride(0);
+}
+
+LoraPlan::LoraPlan(const at::Tensor& x, const LoraWeights& w, const at::Tensor& slots) : w_(w) {
+  const int64_t t = x.size(0), m = w.m;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) == w.k,
+              "lora_sgmv: float32 rows x [T, K] (K the adapters' in features)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 && slots.size(0) == t,
               "lora_sgmv: slots int64 [T]");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* rp = ranks.data_ptr<int64_t>();
-  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] < s_count, "lora_sgmv: slot ", sp[i], " of ", s_count);
-  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(splits[i] <= splits[i + 1], "lora_sgmv: splits must not decrease");
-  for (int64_t i = 0; i < s_count * m; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] <= r_max, "lora_sgmv: rank ", rp[i]);
+  const int64_t* rp = w.rp;
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] < w.s_count, "lora_sgmv: slot ", sp[i], " of ", w.s_count);
+  for (int64_t i = 0; i < w.s_count * m; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] <= w.r_max, "lora_sgmv: rank ", rp[i]);
   // the work: tiles of up to kRowTile consecutive rows of one slot, split by A rows, then by columns;
   // counted first, so that each list is allocated once (a plan per linear, 120 a decode step)
+  const auto& splits = w.splits;
   auto tiles = [&](auto each) {
     for (int64_t i = 0; i < t;) {
       const int64_t s = sp[i];
@@ -250,6 +268,7 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
     n_shrink += (r + kShrinkRows - 1) / kShrinkRows;
     n_expand += (splits[mod + 1] - splits[mod] + kExpandCols - 1) / kExpandCols;
   });
+  if (!n_shrink) return;
   shrink_.reserve(n_shrink);
   expand_.reserve(n_expand);
   tiles([&](int64_t i, int64_t e, int64_t s, int64_t mod, int64_t r) {
@@ -259,32 +278,24 @@ LoraPlan::LoraPlan(const at::Tensor& x, const LoraOperands& op) : op_(op) {
   });
   x_ = x.data_ptr<float>();
   xs_ = x.stride(0);
-  a_slot_ = a.stride(0);
-  b_slot_ = b.stride(0);
-  s_slot_ = scales.stride(0);
-  k_ = k;
-  m_ = m;
-  n_ = n;
-  r_max_ = r_max;
-  if (!shrink_.empty()) u_.resize(static_cast<size_t>(t * m * r_max));
+  u_.resize(static_cast<size_t>(t * m * w.r_max));
 }
 
 void LoraPlan::shrink(int64_t part, int64_t parts) {
-  const int64_t us = m_ * r_max_;
-  by_type(op_.a.scalar_type(), [&](auto w) {
-    using W = decltype(w);
-    shrink_items(shrink_, x_, xs_, static_cast<const W*>(op_.a.data_ptr()), a_slot_, op_.scales.data_ptr<float>(),
-                 s_slot_, u_.data(), us, k_, r_max_, part, parts);
+  const int64_t us = w_.m * w_.r_max;
+  by_type(w_.type, [&](auto e) {
+    using W = decltype(e);
+    shrink_items(shrink_, x_, xs_, static_cast<const W*>(w_.ap), w_.a_slot, w_.sp, w_.s_slot, u_.data(), us, w_.k,
+                 w_.r_max, part, parts);
   });
 }
 
 void LoraPlan::expand(float* y, int64_t ys, int64_t part, int64_t parts) const {
-  const int64_t us = m_ * r_max_;
-  const int64_t* rp = op_.ranks.data_ptr<int64_t>();
-  by_type(op_.b.scalar_type(), [&](auto w) {
-    using W = decltype(w);
-    expand_items(expand_, u_.data(), us, static_cast<const W*>(op_.b.data_ptr()), b_slot_, rp, m_, n_, r_max_, y, ys,
-                 part, parts);
+  const int64_t us = w_.m * w_.r_max;
+  by_type(w_.type, [&](auto e) {
+    using W = decltype(e);
+    expand_items(expand_, u_.data(), us, static_cast<const W*>(w_.bp), w_.b_slot, w_.rp, w_.m, w_.n, w_.r_max, y,
+                 ys, part, parts);
   });
 }
 
@@ -302,15 +313,20 @@ void LoraPlan::run(int64_t threads, const std::function<void(int64_t, int64_t)>&
   }
 }
 
-void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
-               const at::Tensor& scales, const at::Tensor& ranks, const at::Tensor& slots,
-               const std::vector<int64_t>& splits) {
-  LoraPlan plan(x, {a, b, scales, ranks, slots, splits});
+void lora_add(const at::Tensor& y, const at::Tensor& x, const LoraOperands& lora) {
+  LoraPlan plan(x, lora.w, lora.slots);
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.stride(1) == 1 && y.size(0) == x.size(0) &&
-                  y.size(1) == b.size(2),
+                  y.size(1) == lora.w.n,
               "lora_sgmv: float32 rows y [T, N]");
   if (plan.empty()) return;
   plan.run(std::min<int64_t>(at::get_num_threads(), plan.items()), nullptr, y.data_ptr<float>(), y.stride(0));
+}
+
+void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor& scales, const at::Tensor& ranks, const at::Tensor& slots,
+               const std::vector<int64_t>& splits) {
+  const LoraWeights w(a, b, scales, ranks, splits);
+  lora_add(y, x, {w, slots});
 }
 
 }  // namespace lockstep

@@ -45,24 +45,34 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, const std::string& act);
 void lora_sgmv(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
                const at::Tensor& scales, const at::Tensor& ranks, const at::Tensor& slots,
                const std::vector<int64_t>& splits);
-// lora_sgmv's operands but the rows: one linear's adapter slots and this forward's slot per row
-struct LoraOperands {
-  const at::Tensor& a;
-  const at::Tensor& b;
-  const at::Tensor& scales;
-  const at::Tensor& ranks;
-  const at::Tensor& slots;
-  const std::vector<int64_t>& splits;
+// One linear's adapter slots (lora_sgmv's operands but the rows), checked once where they are built
+// (a layer's LayerConsts, at its construction): each call then reads these few fields, not the
+// tensors' metadata, which a decode step finds cold in cache at every linear (the weights streamed
+// since evict it): checking and reading the four tensors' shapes, strides and data there was 0.9 us
+// a linear, 1.5% of one user's decode step (docs/benchmarks.md, "Adapters in int8").
+struct LoraWeights {
+  LoraWeights(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scales, const at::Tensor& ranks,
+              const std::vector<int64_t>& splits);
+  at::Tensor a, b, scales, ranks;  // held, so that the pointers below stay valid
+  std::vector<int64_t> splits;
+  at::ScalarType type;               // a's and b's
+  const void* ap;                    // a's first element (type), b's, the scales', the ranks'
+  const void* bp;
+  const float* sp;
+  const int64_t* rp;                 // read at each call: loading an adapter writes the ranks in place
+  int64_t s_count, m, r_max, k, n;   // slots, modules, max rank, in and out features
+  int64_t a_slot, b_slot, s_slot;    // strides between slots
 };
-// lora_sgmv's work for rows x, checked and cut into items, so that another kernel can run it inside
-// its own parallel region (int8.cpp's one-row linear: the base matmul and its adapters, one fork)
+// lora_sgmv's work for rows x (float32 [T, K]) with slots (int64 [T], -1: no adapter), checked and
+// cut into items, so that another kernel can run it inside its own parallel region (int8.cpp's
+// one-row linear: the base matmul and its adapters, one fork)
 class LoraPlan {
  public:
   struct Item {
     int64_t row0, rows, slot, module, lo, hi;  // a tile of one slot's rows; A rows or columns [lo, hi)
   };
   using Items = std::vector<Item>;
-  LoraPlan(const at::Tensor& x, const LoraOperands& op);
+  LoraPlan(const at::Tensor& x, const LoraWeights& w, const at::Tensor& slots);
   bool empty() const { return shrink_.empty(); }  // no row has an adapted module
   int64_t items() const { return static_cast<int64_t>(expand_.size()); }
   // On `threads` threads: before(part, parts) on each, then the shrink, a barrier, the expand into
@@ -72,12 +82,18 @@ class LoraPlan {
  private:
   void shrink(int64_t part, int64_t parts);
   void expand(float* y, int64_t ys, int64_t part, int64_t parts) const;
-  LoraOperands op_;
+  const LoraWeights& w_;
   Items shrink_, expand_;
   std::vector<float> u_;  // each row's shrink results, [T, M R]
   const float* x_ = nullptr;
-  int64_t xs_ = 0, a_slot_ = 0, b_slot_ = 0, s_slot_ = 0, k_ = 0, m_ = 0, n_ = 0, r_max_ = 0;  // *_slot_: strides
+  int64_t xs_ = 0;
 };
+// A linear's adapters and this forward's rows' slots (what the linears below take, null: none)
+struct LoraOperands {
+  const LoraWeights& w;
+  const at::Tensor& slots;
+};
+void lora_add(const at::Tensor& y, const at::Tensor& x, const LoraOperands& lora);  // lora_sgmv on them
 // layer.cpp: a whole decoder layer of the float32 path, the ops above in the modules' order.
 // How each weight part is multiplied: the weight plan's kinds (layers/block_weight.Kind), by name.
 // Python passes the names ("exact", ...); register.cpp turns them into these once, at construction.
@@ -114,6 +130,7 @@ struct LayerConsts {
 #define LOCKSTEP_FIELD(type, name) type name{};
   LOCKSTEP_LAYER_CONSTS(LOCKSTEP_FIELD)
 #undef LOCKSTEP_FIELD
+  std::vector<c10::optional<LoraWeights>> lora;  // per linear, from the lora_* fields (finish_layer_consts)
 };
 // The per-step arguments: this step's rows h, rotary cos/sin, the layer's K/V buffers, where this
 // step's K/V goes (loc), each row's K/V slots (kv_slots[starts[r] : starts[r] + lens[r]]) and each
@@ -122,7 +139,7 @@ at::Tensor decoder_layer(const at::Tensor& h, const LayerConsts& c, const at::Te
                          const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc,
                          const at::Tensor& kv_slots, const at::Tensor& starts, const at::Tensor& lens,
                          const c10::optional<at::Tensor>& lora_slots);
-void check_layer_consts(const LayerConsts& c);  // TORCH_CHECKs the parts' counts agree
+void finish_layer_consts(LayerConsts& c);  // TORCH_CHECKs the parts' counts agree, builds c.lora
 #ifdef LOCKSTEP_AVX512
 // amx_bf16.cpp: bfloat16 x against bfloat16-rounded blocks on AMX tiles
 at::Tensor linear_amx_bf16(const at::Tensor& xb, const at::Tensor& blocks, int64_t type, int64_t k);

@@ -47,7 +47,7 @@ lockstep::LayerConsts layer_consts(const py::kwargs& kw) {
   LOCKSTEP_LAYER_CONSTS(LOCKSTEP_TAKE)
 #undef LOCKSTEP_TAKE
   if (py::len(left)) throw py::type_error("LayerConsts: unknown field(s) " + py::str(left.attr("keys")()).cast<std::string>());
-  lockstep::check_layer_consts(c);
+  lockstep::finish_layer_consts(c);
   return c;
 }
 }  // namespace
